@@ -1,0 +1,3 @@
+from amqbroker.cli import main
+
+main()

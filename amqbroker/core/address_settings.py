@@ -1,0 +1,580 @@
+"""Per-address policy: the settings model, wildcard matching, and address-string options.
+
+What this module owns
+---------------------
+- `AddressSettings`: one entry of the ``address_settings`` table, keyed by an address
+  *pattern*. Every field is optional: ``None`` means "not set here, inherit from a less
+  specific matching pattern". Input accepts the snake_case field names and the Artemis
+  kebab-case names (``max-delivery-attempts``; ``default-address-routing-type`` is also
+  accepted for ``default_routing_type``). For ``dead_letter_address``,
+  ``expiry_address`` and ``default_group_first_key`` an empty string means "explicitly
+  none" (it stops a less specific pattern's value from applying).
+- `ResolvedAddressSettings`: every field has a value; its defaults are the broker's
+  built-in defaults.
+- `AddressSettingsRepository`: resolves an address to its `ResolvedAddressSettings` by
+  merging every matching pattern, with a bounded LRU cache.
+- `parse_address_options`: splits Artemis-style queue options off an address string
+  (``orders?group-buckets=1024&group-rebalance=true``) into `QueueOptions`;
+  `queue_config` combines them with the resolved address settings into a `QueueConfig`.
+
+Wildcards (Artemis syntax)
+--------------------------
+An address is a sequence of words separated by ``.``. In a pattern, the word ``*``
+matches exactly one word and the word ``#`` matches zero or more words, so
+``orders.#`` matches ``orders``, ``orders.eu`` and ``orders.eu.paris``, and ``#``
+matches every address. Wildcards must be whole words (``ord*`` is rejected), words
+must not be empty (``a..b``), and ``?`` is not allowed in a pattern.
+
+Specificity and merging
+-----------------------
+All patterns matching an address are ordered from most to least specific:
+
+1. an exact (wildcard-free) pattern beats every wildcard pattern;
+2. then more literal (non-wildcard) words win;
+3. then fewer ``#`` words win;
+4. then fewer ``*`` words win;
+5. then the longer pattern string wins;
+6. remaining ties go to the pattern string that sorts first (deterministic).
+
+So for ``orders.eu``: ``orders.eu`` > ``orders.*`` > ``orders.#`` > ``#``, and
+``a.*.c`` beats ``a.#`` for ``a.b.c``. Each field takes its value from the most specific
+matching pattern that sets it; fields no matching pattern sets get the built-in
+default (`ResolvedAddressSettings`).
+
+Address options
+---------------
+Recognised keys (kebab-case or snake_case, case-insensitive): group-buckets,
+group-rebalance, group-rebalance-pause-dispatch, group-first-key, exclusive,
+consumers-before-dispatch, delay-before-dispatch, plus the ActiveMQ Classic aliases
+consumersBeforeDispatchStarts (= consumers-before-dispatch) and
+timeBeforeDispatchStarts (= delay-before-dispatch). Keys and values are
+percent-decoded. Booleans are true/false/1/0 (case-insensitive). Decision D10: when
+the Classic alias consumersBeforeDispatchStarts is given a value > 0 and no delay is
+given, Classic's implicit delay of 1000 ms applies. Options given in the address
+override the address-setting defaults (``default_group_buckets`` and so on).
+
+Only pydantic and the stdlib are imported here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Annotated, Final, Literal, NamedTuple, TypeVar
+from urllib.parse import unquote
+
+from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "QUEUE_OPTION_KEYS",
+    "AddressName",
+    "AddressPattern",
+    "AddressSettings",
+    "AddressSettingsRepository",
+    "CacheInfo",
+    "ConfigFloat",
+    "ConfigInt",
+    "QueueConfig",
+    "QueueOptions",
+    "ResolvedAddressSettings",
+    "Routing",
+    "check_address_name",
+    "check_pattern",
+    "parse_address_options",
+    "pattern_matches",
+    "queue_config",
+    "specificity",
+]
+
+DEFAULT_CACHE_SIZE: Final = 4096
+INT32_MAX: Final = 2**31 - 1
+CLASSIC_IMPLICIT_DELAY_MS: Final = 1000  # decision D10
+
+_T = TypeVar("_T")
+
+RoutingType = Literal["anycast", "multicast"]
+AddressFullPolicy = Literal["BLOCK", "FAIL"]
+GroupOwnerPolicy = Literal["round-robin", "least-loaded"]
+
+
+# --------------------------------------------------------------------------- validators
+
+
+def _not_bool(value: object) -> object:
+    """Pydantic's lax mode takes true/false as 1/0 for numbers; a config file should not."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+def _minus_one_or_at_least_one(value: int) -> int:
+    if value == 0 or value < -1:
+        raise ValueError("must be -1 (unlimited) or at least 1")
+    return value
+
+
+def _at_least_minus_one(value: int) -> int:
+    if value < -1:
+        raise ValueError("must be -1 or at least 0")
+    return value
+
+
+def _lower(value: object) -> object:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+def _owner_policy(value: object) -> object:
+    return value.strip().lower().replace("_", "-") if isinstance(value, str) else value
+
+
+def _full_policy(value: object) -> object:
+    if isinstance(value, str):
+        value = value.strip().upper()
+        if value in ("PAGE", "DROP"):
+            raise ValueError(f"{value} is not supported by amqbroker; use BLOCK or FAIL")
+    return value
+
+
+def _address_name(value: str | None) -> str | None:
+    if value is not None and any(c in value for c in "*#?"):
+        raise ValueError("must be a plain address name (no '*', '#' or '?')")
+    return value
+
+
+def check_address_name(name: str) -> str:
+    """Return `name` if it can name a concrete address (non-empty, no wildcards or '?')."""
+    if not name:
+        raise ValueError("must not be empty")
+    _address_name(name)
+    return name
+
+
+#: an int that refuses true/false (shared with amqbroker.settings)
+ConfigInt = Annotated[int, BeforeValidator(_not_bool)]
+#: a finite float that refuses true/false (shared with amqbroker.settings)
+ConfigFloat = Annotated[float, BeforeValidator(_not_bool), Field(allow_inf_nan=False)]
+MaxDeliveryAttempts = Annotated[ConfigInt, AfterValidator(_minus_one_or_at_least_one)]
+SizeBytes = Annotated[ConfigInt, AfterValidator(_minus_one_or_at_least_one)]
+Millis = Annotated[ConfigInt, Field(ge=0, le=INT32_MAX)]
+MillisOrForever = Annotated[ConfigInt, Field(le=INT32_MAX), AfterValidator(_at_least_minus_one)]
+GroupBuckets = Annotated[ConfigInt, Field(le=INT32_MAX), AfterValidator(_at_least_minus_one)]
+Count = Annotated[ConfigInt, Field(ge=0, le=INT32_MAX)]
+Routing = Annotated[RoutingType, BeforeValidator(_lower)]
+FullPolicy = Annotated[AddressFullPolicy, BeforeValidator(_full_policy)]
+OwnerPolicy = Annotated[GroupOwnerPolicy, BeforeValidator(_owner_policy)]
+#: a concrete address name: no wildcards, no "?options"
+AddressName = Annotated[str, AfterValidator(_address_name)]
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class ResolvedAddressSettings(BaseModel):
+    """The policy for one address with every field decided (built-in defaults here)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    auto_create_addresses: bool = True
+    auto_create_queues: bool = True
+    #: delete an auto-created queue once it has no consumers and no messages
+    auto_delete_queues: bool = True
+    default_routing_type: Routing = "anycast"
+    default_queue_durable: bool = True
+    #: deliveries before a message goes to the dead-letter address; -1 = unlimited
+    max_delivery_attempts: MaxDeliveryAttempts = 10
+    dead_letter_address: AddressName | None = None
+    expiry_address: AddressName | None = None
+    #: milliseconds a released/modified message waits before redelivery
+    redelivery_delay: Millis = 0
+    #: bytes of messages the address may hold; -1 = unlimited
+    max_size_bytes: SizeBytes = -1
+    address_full_policy: FullPolicy = "BLOCK"
+    #: -1 = one group table entry per group id, 0 = grouping off, N >= 1 = N buckets
+    default_group_buckets: GroupBuckets = -1
+    default_group_rebalance: bool = False
+    default_group_rebalance_pause_dispatch: bool = False
+    default_group_first_key: str | None = None
+    default_exclusive_queue: bool = False
+    default_consumers_before_dispatch: Count = 0
+    #: milliseconds to wait for consumers_before_dispatch; -1 = wait forever
+    default_delay_before_dispatch: MillisOrForever = -1
+    #: false reproduces Artemis's strict head-of-line blocking behind a busy group
+    group_skip_ahead: bool = True
+    group_id_from_application_properties: bool = True
+    group_owner_policy: OwnerPolicy = "round-robin"
+    group_unbind_on_undeliverable: bool = False
+    #: milliseconds a rebalance may pause dispatch; -1 = no limit
+    group_pause_dispatch_timeout: MillisOrForever = -1
+
+
+#: fields where "" on input means "explicitly none" (resolved to None)
+_CLEARABLE: Final = frozenset({"dead_letter_address", "expiry_address", "default_group_first_key"})
+
+
+class AddressSettings(BaseModel):
+    """One ``address_settings`` entry; ``None`` = inherit from a less specific pattern.
+
+    See `ResolvedAddressSettings` for meanings and built-in defaults. Accepts snake_case
+    and Artemis kebab-case keys; unknown keys are an error.
+    """
+
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        alias_generator=_kebab,
+        validate_by_name=True,
+        validate_by_alias=True,
+    )
+
+    auto_create_addresses: bool | None = None
+    auto_create_queues: bool | None = None
+    auto_delete_queues: bool | None = None
+    default_routing_type: Routing | None = Field(
+        default=None,
+        validation_alias=AliasChoices(
+            "default_routing_type", "default-routing-type", "default-address-routing-type"
+        ),
+    )
+    default_queue_durable: bool | None = None
+    max_delivery_attempts: MaxDeliveryAttempts | None = None
+    dead_letter_address: AddressName | None = None
+    expiry_address: AddressName | None = None
+    redelivery_delay: Millis | None = None
+    max_size_bytes: SizeBytes | None = None
+    address_full_policy: FullPolicy | None = None
+    default_group_buckets: GroupBuckets | None = None
+    default_group_rebalance: bool | None = None
+    default_group_rebalance_pause_dispatch: bool | None = None
+    default_group_first_key: str | None = None
+    default_exclusive_queue: bool | None = None
+    default_consumers_before_dispatch: Count | None = None
+    default_delay_before_dispatch: MillisOrForever | None = None
+    group_skip_ahead: bool | None = None
+    group_id_from_application_properties: bool | None = None
+    group_owner_policy: OwnerPolicy | None = None
+    group_unbind_on_undeliverable: bool | None = None
+    group_pause_dispatch_timeout: MillisOrForever | None = None
+
+    def set_fields(self) -> dict[str, object]:
+        """The fields this entry sets (not None), by field name."""
+        return self.model_dump(exclude_none=True)
+
+
+# ---------------------------------------------------------------------------- matching
+
+
+def check_pattern(pattern: str) -> str:
+    """Return `pattern` if it is a valid address pattern, else raise ValueError naming it."""
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"invalid address pattern {pattern!r}: {problem}")
+
+    if not isinstance(pattern, str):
+        raise TypeError(f"address pattern must be a string, got {type(pattern).__name__}")
+    if not pattern:
+        raise bad("it is empty (use '#' to match every address)")
+    if "?" in pattern:
+        raise bad("'?' is not allowed (queue options belong in an address, not a pattern)")
+    for word in pattern.split("."):
+        if not word:
+            raise bad("empty word (check for '..' or a leading/trailing '.')")
+        if word not in ("*", "#") and ("*" in word or "#" in word):
+            raise bad(
+                f"wildcards must be whole words, got {word!r} "
+                "('*' matches one word, '#' zero or more, words separated by '.')"
+            )
+    return pattern
+
+
+#: a key of the address_settings table (validated by check_pattern)
+AddressPattern = Annotated[str, AfterValidator(check_pattern)]
+
+
+def _match_words(pattern: tuple[str, ...], words: tuple[str, ...]) -> bool:
+    # reachable[j]: the first i pattern words can match the first j address words
+    reachable = [True] + [False] * len(words)
+    for pword in pattern:
+        if pword == "#":
+            for j in range(1, len(reachable)):
+                reachable[j] = reachable[j] or reachable[j - 1]
+        else:
+            for j in range(len(reachable) - 1, 0, -1):
+                reachable[j] = reachable[j - 1] and (pword in ("*", words[j - 1]))
+            reachable[0] = False
+    return reachable[-1]
+
+
+def pattern_matches(pattern: str, address: str) -> bool:
+    """True when `pattern` (Artemis wildcard syntax) matches `address`."""
+    return _match_words(tuple(pattern.split(".")), tuple(address.split(".")))
+
+
+def specificity(pattern: str) -> tuple[int, int, int, int, int]:
+    """(exact, literal words, -#, -*, length): a greater tuple is a more specific pattern."""
+    words = pattern.split(".")
+    hashes = words.count("#")
+    stars = words.count("*")
+    literal = len(words) - hashes - stars
+    exact = 1 if hashes == 0 and stars == 0 else 0
+    return (exact, literal, -hashes, -stars, len(pattern))
+
+
+def _precedence(pattern: str) -> tuple[int, int, int, int, int, str]:
+    """Ascending sort key: most specific first; equal specificity: smaller string first."""
+    exact, literal, neg_hashes, neg_stars, length = specificity(pattern)
+    return (-exact, -literal, -neg_hashes, -neg_stars, -length, pattern)
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
+
+class AddressSettingsRepository:
+    """Resolves addresses against an immutable table of pattern -> AddressSettings.
+
+    Results are cached in an LRU of at most `cache_size` addresses (0 disables the
+    cache). The table never changes after construction; build a new repository to
+    apply new settings.
+    """
+
+    def __init__(
+        self, patterns: Mapping[str, AddressSettings], cache_size: int = DEFAULT_CACHE_SIZE
+    ) -> None:
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        for pattern, entry in patterns.items():
+            check_pattern(pattern)
+            if not isinstance(entry, AddressSettings):
+                raise TypeError(
+                    f"address pattern {pattern!r}: expected AddressSettings, "
+                    f"got {type(entry).__name__}"
+                )
+        ordered = sorted(patterns, key=_precedence)
+        self._patterns: tuple[tuple[str, tuple[str, ...], dict[str, object]], ...] = tuple(
+            (p, tuple(p.split(".")), patterns[p].set_fields()) for p in ordered
+        )
+        self._cache_size = cache_size
+        self._cache: OrderedDict[str, ResolvedAddressSettings] = OrderedDict()
+        self._hits = 0
+        self._misses = 0
+
+    @property
+    def patterns(self) -> list[str]:
+        """All patterns, most specific first."""
+        return [p for p, _, _ in self._patterns]
+
+    def matching(self, address: str) -> list[str]:
+        """The patterns matching `address`, most specific (highest precedence) first."""
+        words = tuple(address.split("."))
+        return [p for p, pwords, _ in self._patterns if _match_words(pwords, words)]
+
+    def resolve(self, address: str) -> ResolvedAddressSettings:
+        """The merged settings for `address` (a name without "?options").
+
+        See the module docstring for the matching and merging rules.
+        """
+        cached = self._cache.get(address)
+        if cached is not None:
+            self._hits += 1
+            self._cache.move_to_end(address)
+            return cached
+        self._misses += 1
+        words = tuple(address.split("."))
+        merged: dict[str, object] = {}
+        for _, pwords, values in self._patterns:
+            if _match_words(pwords, words):
+                for name, value in values.items():
+                    merged.setdefault(name, value)
+        for name in _CLEARABLE:
+            if merged.get(name) == "":
+                merged[name] = None
+        resolved = ResolvedAddressSettings.model_validate(merged)
+        if self._cache_size:
+            self._cache[address] = resolved
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return resolved
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(self._hits, self._misses, self._cache_size, len(self._cache))
+
+
+# ----------------------------------------------------------------------- address options
+
+
+class QueueOptions(BaseModel):
+    """Queue options given in an address string; None = not given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_buckets: GroupBuckets | None = None
+    group_rebalance: bool | None = None
+    group_rebalance_pause_dispatch: bool | None = None
+    group_first_key: str | None = None
+    exclusive: bool | None = None
+    consumers_before_dispatch: Count | None = None
+    delay_before_dispatch: MillisOrForever | None = None
+
+
+class QueueConfig(BaseModel):
+    """A queue's grouping/dispatch configuration with every field decided."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_buckets: GroupBuckets
+    group_rebalance: bool
+    group_rebalance_pause_dispatch: bool
+    group_first_key: str | None
+    exclusive: bool
+    consumers_before_dispatch: Count
+    #: milliseconds; -1 = wait forever for consumers_before_dispatch
+    delay_before_dispatch: MillisOrForever
+
+
+_CANONICAL_KEYS: Final = (
+    "group-buckets",
+    "group-rebalance",
+    "group-rebalance-pause-dispatch",
+    "group-first-key",
+    "exclusive",
+    "consumers-before-dispatch",
+    "delay-before-dispatch",
+)
+_CLASSIC_CONSUMERS: Final = "consumersBeforeDispatchStarts"
+_CLASSIC_DELAY: Final = "timeBeforeDispatchStarts"
+#: every key parse_address_options accepts, as documented (case-insensitive on input)
+QUEUE_OPTION_KEYS: Final = (*_CANONICAL_KEYS, _CLASSIC_CONSUMERS, _CLASSIC_DELAY)
+
+_KEY_TO_FIELD: Final[dict[str, str]] = {
+    **{k: k.replace("-", "_") for k in _CANONICAL_KEYS},
+    **{k.replace("-", "_"): k.replace("-", "_") for k in _CANONICAL_KEYS},
+    _CLASSIC_CONSUMERS.lower(): "consumers_before_dispatch",
+    _CLASSIC_DELAY.lower(): "delay_before_dispatch",
+}
+
+_INT_OPTIONS: Final[dict[str, tuple[int, str]]] = {
+    # field -> (minimum, what is allowed)
+    "group_buckets": (-1, "-1 (one entry per group), 0 (grouping off) or N >= 1 buckets"),
+    "consumers_before_dispatch": (0, "a whole number >= 0"),
+    "delay_before_dispatch": (-1, "milliseconds >= 0, or -1 to wait forever"),
+}
+_BOOL_OPTIONS: Final = frozenset({"group_rebalance", "group_rebalance_pause_dispatch", "exclusive"})
+_BOOLS: Final = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _valid_keys_text() -> str:
+    return (
+        "valid keys: "
+        + ", ".join(_CANONICAL_KEYS)
+        + f" (snake_case also accepted), and the ActiveMQ Classic aliases {_CLASSIC_CONSUMERS}"
+        + f" and {_CLASSIC_DELAY}"
+    )
+
+
+def parse_address_options(address: str) -> tuple[str, QueueOptions]:
+    """Split ``name?key=value&...`` into the address name and its `QueueOptions`.
+
+    An address without ``?`` is returned unchanged with empty options. Raises
+    ValueError naming the offending key and value (and listing the valid keys) for an
+    unknown key, a malformed or repeated option, or a bad value.
+    """
+    name, sep, query = address.partition("?")
+    if not sep:
+        return address, QueueOptions()
+    if not name:
+        raise ValueError(f"address {address!r} has no name before '?'")
+    values: dict[str, object] = {}
+    given_as: dict[str, str] = {}
+    for part in query.split("&"):
+        if not part:
+            continue
+        raw_key, eq, raw_value = part.partition("=")
+        key, value = unquote(raw_key).strip(), unquote(raw_value).strip()
+        if not eq:
+            raise ValueError(
+                f"queue option {key!r} in address {address!r} has no value "
+                f"(expected key=value); {_valid_keys_text()}"
+            )
+        field = _KEY_TO_FIELD.get(key.lower())
+        if field is None:
+            raise ValueError(
+                f"unknown queue option {key!r} (= {value!r}) in address {address!r}; "
+                f"{_valid_keys_text()}"
+            )
+        if field in values:
+            raise ValueError(
+                f"queue option {key!r} (= {value!r}) in address {address!r} repeats "
+                f"{given_as[field]!r}; give each option once"
+            )
+        values[field] = _option_value(address, key, field, value)
+        given_as[field] = key
+    if (
+        given_as.get("consumers_before_dispatch", "").lower() == _CLASSIC_CONSUMERS.lower()
+        and "delay_before_dispatch" not in values
+        and isinstance(values["consumers_before_dispatch"], int)
+        and values["consumers_before_dispatch"] > 0
+    ):
+        values["delay_before_dispatch"] = CLASSIC_IMPLICIT_DELAY_MS  # decision D10
+    return name, QueueOptions.model_validate(values)
+
+
+def _option_value(address: str, key: str, field: str, value: str) -> object:
+    def bad(allowed: str) -> ValueError:
+        return ValueError(
+            f"queue option {key}={value!r} in address {address!r}: must be {allowed}; "
+            f"{_valid_keys_text()}"
+        )
+
+    if field in _BOOL_OPTIONS:
+        parsed = _BOOLS.get(value.lower())
+        if parsed is None:
+            raise bad("true, false, 1 or 0")
+        return parsed
+    if field in _INT_OPTIONS:
+        minimum, allowed = _INT_OPTIONS[field]
+        try:
+            number = int(value, 10)
+        except ValueError:
+            raise bad(allowed) from None
+        if not minimum <= number <= INT32_MAX:
+            raise bad(allowed + f" (at most {INT32_MAX})")
+        return number
+    # group_first_key
+    if not value:
+        raise bad("a non-empty message property name")
+    return value
+
+
+def _pick(option: _T | None, default: _T) -> _T:
+    return default if option is None else option
+
+
+def queue_config(resolved: ResolvedAddressSettings, options: QueueOptions) -> QueueConfig:
+    """A queue's configuration: address-string `options` override the address defaults."""
+
+    return QueueConfig(
+        group_buckets=_pick(options.group_buckets, resolved.default_group_buckets),
+        group_rebalance=_pick(options.group_rebalance, resolved.default_group_rebalance),
+        group_rebalance_pause_dispatch=_pick(
+            options.group_rebalance_pause_dispatch,
+            resolved.default_group_rebalance_pause_dispatch,
+        ),
+        group_first_key=_pick(options.group_first_key, resolved.default_group_first_key),
+        exclusive=_pick(options.exclusive, resolved.default_exclusive_queue),
+        consumers_before_dispatch=_pick(
+            options.consumers_before_dispatch, resolved.default_consumers_before_dispatch
+        ),
+        delay_before_dispatch=_pick(
+            options.delay_before_dispatch, resolved.default_delay_before_dispatch
+        ),
+    )

@@ -1,0 +1,470 @@
+"""The broker core: the registry of addresses and queues, and routing between them.
+
+Everything the protocol layer does with messages goes through here: finding or
+auto-creating the queue a consumer attaches to or the address a producer sends to,
+routing an arriving message, temporary queues, dead-lettering and expiry routing, and
+deferred dispatch (a queue that used up its dispatch batch asks to be continued after
+other work has run: `run_deferred`).
+
+Address settings are resolved by wildcard match when an address or queue is created
+and kept on the object; queue options from the address string (`orders?group-
+buckets=1024`) apply when the queue is created and are persisted with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from amqbroker.core.address import ANYCAST, MULTICAST, Address
+from amqbroker.core.address_settings import (
+    AddressSettingsRepository,
+    QueueOptions,
+    ResolvedAddressSettings,
+    parse_address_options,
+    queue_config,
+)
+from amqbroker.core.codec import MessageCodec, PlainCodec
+from amqbroker.core.entry import Entry
+from amqbroker.core.errors import NotFound, PreconditionFailed, ResourceLimitExceeded
+from amqbroker.core.persistence import NoPersistence, Persistence
+from amqbroker.core.queue import Queue, QueuePolicy
+from amqbroker.core.timers import Timers
+
+log = logging.getLogger(__name__)
+
+#: route() results
+ROUTED = 0
+ROUTED_SYNC = 1  # at least one durable copy: settle the producer after the store syncs
+NO_ROUTE = 2  # multicast address without subscribers: accepted and dropped
+
+
+class Broker:
+    def __init__(
+        self,
+        *,
+        address_settings: AddressSettingsRepository | None = None,
+        persistence: Persistence | None = None,
+        clock: Callable[[], float],
+        timers: Timers | None = None,
+        codec: MessageCodec | None = None,
+        dispatch_batch: int = 10_000,
+        temporary_queue_prefix: str = "tmp.",
+        wake: Callable[[], object] | None = None,
+    ) -> None:
+        self.settings_repo = address_settings or AddressSettingsRepository({})
+        self.store: Persistence = persistence or NoPersistence()
+        self.clock = clock
+        self.timers = timers or Timers()
+        self.codec: MessageCodec = codec or PlainCodec()
+        self.dispatch_batch = dispatch_batch
+        self.temporary_queue_prefix = temporary_queue_prefix
+        #: called when deferred work is pending (the event loop runs `run_deferred`)
+        self.wake = wake
+        self.addresses: dict[str, Address] = {}
+        self.queues: dict[str, Queue] = {}
+        self._pending: dict[Queue, None] = {}
+        self._next_qid = 1
+        self._tmp_counter = itertools.count(1)
+        self.routed = 0
+        self.dropped_no_route = 0
+        self.dropped_dead_letters = 0
+
+    # ------------------------------------------------------------- settings
+    def resolve(self, address: str) -> ResolvedAddressSettings:
+        return self.settings_repo.resolve(address)
+
+    def _policy(self, address: str, options: QueueOptions | None) -> QueuePolicy:
+        r = self.resolve(address)
+        qc = queue_config(r, options or QueueOptions())
+        return QueuePolicy(
+            group_buckets=qc.group_buckets,
+            group_rebalance=qc.group_rebalance,
+            group_rebalance_pause_dispatch=qc.group_rebalance_pause_dispatch,
+            group_first_key=qc.group_first_key,
+            exclusive=qc.exclusive,
+            consumers_before_dispatch=qc.consumers_before_dispatch,
+            delay_before_dispatch=qc.delay_before_dispatch,
+            group_skip_ahead=r.group_skip_ahead,
+            group_owner_policy=r.group_owner_policy,
+            group_unbind_on_undeliverable=r.group_unbind_on_undeliverable,
+            group_pause_dispatch_timeout=r.group_pause_dispatch_timeout,
+            group_id_from_application_properties=r.group_id_from_application_properties,
+            max_delivery_attempts=r.max_delivery_attempts,
+            redelivery_delay=r.redelivery_delay,
+            dispatch_batch=self.dispatch_batch,
+        )
+
+    # ------------------------------------------------------------ addresses
+    def create_address(
+        self, name: str, routing: str, *, auto_created: bool = False, durable: bool = True
+    ) -> Address:
+        """Create an address (and, for anycast, its queue of the same name)."""
+        if name in self.addresses:
+            return self.addresses[name]
+        r = self.resolve(name)
+        a = Address(
+            name,
+            routing,
+            settings=r,
+            max_size=r.max_size_bytes,
+            full_policy=r.address_full_policy,
+            auto_created=auto_created,
+        )
+        self.addresses[name] = a
+        if routing == ANYCAST:
+            self._create_queue(
+                name, a, durable=durable and r.default_queue_durable, auto_created=auto_created
+            )
+        return a
+
+    def _routing_for(self, name: str, hint: str | None) -> str:
+        return hint or self.resolve(name).default_routing_type
+
+    def address_for_producer(self, address: str, routing_hint: str | None = None) -> Address:
+        """The address a producer link targets, auto-created when settings allow."""
+        name, options = parse_address_options(address)
+        a = self.addresses.get(name)
+        if a is None:
+            r = self.resolve(name)
+            if not r.auto_create_addresses:
+                raise NotFound(
+                    f"address '{name}' does not exist and auto-create is off for it; "
+                    "create it in the broker configuration ('addresses') or enable "
+                    "auto_create_addresses in its address settings"
+                )
+            routing = self._routing_for(name, routing_hint)
+            a = self.create_address(name, routing, auto_created=True)
+            if options != QueueOptions() and a.queues:
+                self._apply_options(a.queues[0], options)
+        else:
+            self._check_routing(a, routing_hint)
+        return a
+
+    def queue_for_consumer(
+        self,
+        address: str,
+        routing_hint: str | None = None,
+        subscription: str = "",
+    ) -> Queue:
+        """The queue a consumer link reads from. For a multicast address this is a new
+        subscription queue, deleted when the consumer goes."""
+        name, options = parse_address_options(address)
+        a = self.addresses.get(name)
+        if a is None:
+            r = self.resolve(name)
+            routing = self._routing_for(name, routing_hint)
+            if not (r.auto_create_addresses and (routing == MULTICAST or r.auto_create_queues)):
+                raise NotFound(
+                    f"address '{name}' does not exist and auto-create is off for it; "
+                    "create it in the broker configuration ('addresses') or enable "
+                    "auto_create_addresses/auto_create_queues in its address settings"
+                )
+            a = self.create_address(name, routing, auto_created=True)
+            if options != QueueOptions() and a.queues:
+                self._apply_options(a.queues[0], options)
+        else:
+            self._check_routing(a, routing_hint)
+        if a.routing == ANYCAST:
+            if not a.queues:
+                raise NotFound(f"address '{name}' has no queue")
+            return a.queues[0]
+        sub = subscription or "sub"
+        qname = f"{name}::{sub}.{next(self._tmp_counter)}"
+        return self._create_queue(
+            qname, a, durable=False, temporary=True, options=options, subscription=True
+        )
+
+    def _check_routing(self, a: Address, hint: str | None) -> None:
+        if hint is not None and hint != a.routing:
+            kind = "a queue (anycast)" if a.routing == ANYCAST else "a topic (multicast)"
+            raise PreconditionFailed(
+                f"address '{a.name}' exists as {kind}; attach with the matching "
+                "capability ('queue' or 'topic') or use another address"
+            )
+
+    def create_temporary_queue(self, hint: str | None = None) -> Queue:
+        """A dynamic node: an anycast address+queue with a unique name."""
+        name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
+        while name in self.addresses:
+            name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
+        r = self.resolve(name)
+        a = Address(
+            name, ANYCAST, settings=r, max_size=r.max_size_bytes, full_policy=r.address_full_policy
+        )
+        self.addresses[name] = a
+        return self._create_queue(name, a, durable=False, temporary=True)
+
+    def _create_queue(
+        self,
+        name: str,
+        address: Address,
+        *,
+        durable: bool,
+        temporary: bool = False,
+        auto_created: bool = False,
+        options: QueueOptions | None = None,
+        subscription: bool = False,
+        qid: int | None = None,
+    ) -> Queue:
+        if qid is None:
+            qid = self._next_qid
+            self._next_qid += 1
+        else:
+            self._next_qid = max(self._next_qid, qid + 1)
+        q = Queue(
+            name,
+            self,
+            qid=qid,
+            address=address,
+            policy=self._policy(address.name, options),
+            durable=durable,
+            temporary=temporary,
+            auto_created=auto_created or subscription,
+            persistence=self.store,
+            options=options.model_dump(exclude_none=True) if options else {},
+        )
+        q.subscription = subscription  # type: ignore[attr-defined]
+        address.queues.append(q)
+        self.queues[name] = q
+        if durable:
+            self.store.queue_declared(qid, name, self._queue_attributes(q))
+        return q
+
+    def _apply_options(self, q: Queue, options: QueueOptions) -> None:
+        q.options = options.model_dump(exclude_none=True)
+        q.policy = self._policy(q.address.name if q.address else q.name, options)
+        if q.durable:
+            self.store.queue_declared(q.qid, q.name, self._queue_attributes(q))
+
+    @staticmethod
+    def _queue_attributes(q: Queue) -> dict[str, Any]:
+        a = q.address
+        return {
+            "address": a.name if a else q.name,
+            "routing": a.routing if a else ANYCAST,
+            "auto_created": q.auto_created,
+            "options": q.options,
+        }
+
+    def restore_queue(
+        self, qid: int, name: str, attributes: dict[str, Any], entries: Iterable[Entry]
+    ) -> Queue:
+        """Recreate a durable queue from the store, with its messages in order."""
+        aname = attributes.get("address", name)
+        routing = attributes.get("routing", ANYCAST)
+        a = self.addresses.get(aname)
+        if a is None:
+            r = self.resolve(aname)
+            a = Address(
+                aname,
+                routing,
+                settings=r,
+                max_size=r.max_size_bytes,
+                full_policy=r.address_full_policy,
+                auto_created=bool(attributes.get("auto_created")),
+            )
+            self.addresses[aname] = a
+        opts = QueueOptions(**attributes.get("options", {}))
+        q = self._create_queue_restored(name, a, qid, opts, bool(attributes.get("auto_created")))
+        q.restore(entries)
+        return q
+
+    def _create_queue_restored(
+        self, name: str, a: Address, qid: int, options: QueueOptions, auto: bool
+    ) -> Queue:
+        self._next_qid = max(self._next_qid, qid + 1)
+        q = Queue(
+            name,
+            self,
+            qid=qid,
+            address=a,
+            policy=self._policy(a.name, options),
+            durable=True,
+            auto_created=auto,
+            persistence=self.store,
+            options=options.model_dump(exclude_none=True),
+        )
+        q.subscription = False  # type: ignore[attr-defined]
+        a.queues.append(q)
+        self.queues[name] = q
+        return q
+
+    def delete_queue(self, q: Queue) -> list[Any]:
+        """Remove a queue (its messages are dropped). Returns the consumers that were
+        attached, for the protocol layer to detach."""
+        if q.deleted:
+            return []
+        consumers = q.close()
+        q.purge()
+        self.queues.pop(q.name, None)
+        self._pending.pop(q, None)
+        a = q.address
+        if a is not None:
+            if q in a.queues:
+                a.queues.remove(q)
+            if not a.queues and (a.auto_created or q.temporary) and a.producers == 0:
+                self.addresses.pop(a.name, None)
+        if q.durable:
+            self.store.queue_deleted(q.qid)
+        return consumers
+
+    # -------------------------------------------------------------- routing
+    def route(self, a: Address, e: Entry) -> int:
+        """Route one arriving message. Raises ResourceLimitExceeded (FAIL policy)."""
+        if a.max_size >= 0 and a.size >= a.max_size and a.full_policy == "FAIL":
+            raise ResourceLimitExceeded(
+                f"address '{a.name}' is full ({a.size} of {a.max_size} bytes, "
+                "address_full_policy FAIL): the message was not accepted; consume "
+                "messages or raise max_size_bytes for this address"
+            )
+        qs = a.queues
+        self.routed += 1
+        if len(qs) == 1:
+            q = qs[0]
+            q.enqueue(e)
+            return ROUTED_SYNC if (q.durable and e.durable) else ROUTED
+        if not qs:
+            self.dropped_no_route += 1
+            return NO_ROUTE
+        sync = False
+        first = True
+        for q in list(qs):
+            x = e if first else e.copy()
+            first = False
+            q.enqueue(x)
+            sync = sync or (q.durable and x.durable)
+        return ROUTED_SYNC if sync else ROUTED
+
+    def address_for_relay(self, to: str) -> Address:
+        """Anonymous relay: the per-message `to` address."""
+        a = self.addresses.get(to)
+        if a is not None:
+            return a
+        return self.address_for_producer(to)
+
+    # --------------------------------------------------- QueueHost callbacks
+    def schedule_dispatch(self, queue: Queue) -> None:
+        self._pending[queue] = None
+        if self.wake is not None:
+            self.wake()
+
+    def run_deferred(self) -> bool:
+        """Continue queues that used up their dispatch batch. True if more is pending."""
+        pending = list(self._pending)
+        self._pending.clear()
+        for q in pending:
+            if not q.deleted:
+                q.dispatch()
+        return bool(self._pending)
+
+    def dead_letter(self, queue: Queue, entry: Entry, reason: str) -> None:
+        a = queue.address
+        r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
+        dla = r.dead_letter_address
+        if not dla or (a is not None and dla == a.name):
+            self.dropped_dead_letters += 1
+            log.warning(
+                "queue %r: message seq %d dropped (%s) - no dead_letter_address is set "
+                "for this address; set one in its address settings to keep such messages",
+                queue.name,
+                entry.seq,
+                reason,
+            )
+            return
+        mid = self.codec.message_id(entry.data)
+        annotations: dict[str, str | int | bool | None] = {
+            "x-opt-ORIG-ADDRESS": a.name if a else queue.name,
+            "x-opt-ORIG-QUEUE": queue.name,
+            "x-opt-DLQ-REASON": reason,
+        }
+        if mid is not None:
+            annotations["x-opt-ORIG-MESSAGE-ID"] = str(mid)
+        self._reroute(dla, entry, annotations, keep_expiry=True)
+
+    def expired(self, queue: Queue, entry: Entry) -> None:
+        a = queue.address
+        r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
+        ea = r.expiry_address
+        if not ea or (a is not None and ea == a.name):
+            return
+        annotations: dict[str, str | int | bool | None] = {
+            "x-opt-ORIG-ADDRESS": a.name if a else queue.name,
+            "x-opt-ORIG-QUEUE": queue.name,
+            "x-opt-ACTUAL-EXPIRY": int(self.clock() * 1000),
+        }
+        self._reroute(ea, entry, annotations, keep_expiry=False)
+
+    def _reroute(
+        self,
+        target: str,
+        entry: Entry,
+        annotations: dict[str, str | int | bool | None],
+        *,
+        keep_expiry: bool,
+    ) -> None:
+        try:
+            a = self.address_for_producer(target)
+        except NotFound as exc:
+            self.dropped_dead_letters += 1
+            log.warning("cannot move message to %r: %s", target, exc.description)
+            return
+        data = self.codec.annotate(entry.data, annotations)
+        copy = Entry(
+            data,
+            entry.durable,
+            entry.priority,
+            entry.expiry if keep_expiry else 0,
+            0,
+            entry.group_id,
+            entry.group_seq,
+        )
+        if a.queues:
+            self.route(a, copy)
+
+    def queue_idle(self, queue: Queue) -> None:
+        """A queue lost its last consumer: delete it if it is a subscription queue, or
+        an auto-created, empty queue whose settings say auto-delete."""
+        if queue.deleted or queue.consumer_count:
+            return
+        if getattr(queue, "subscription", False):
+            self.delete_queue(queue)
+            return
+        if queue.temporary or not queue.auto_created or queue.count:
+            return
+        a = queue.address
+        if a is not None and a.producers:
+            return
+        r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
+        if r.auto_delete_queues:
+            self.delete_queue(queue)
+
+    def producer_detached(self, a: Address) -> None:
+        a.producers -= 1
+        if a.producers == 0:
+            for q in list(a.queues):
+                self.queue_idle(q)
+            if not a.queues and a.auto_created and a.name in self.addresses:
+                self.addresses.pop(a.name, None)
+
+    # ------------------------------------------------------------- periodic
+    def expire_scan(self) -> int:
+        n = 0
+        for q in list(self.queues.values()):
+            n += q.expire_scan()
+            if not q.count:
+                self.queue_idle(q)
+        return n
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "addresses": len(self.addresses),
+            "queues": len(self.queues),
+            "messages": sum(q.count for q in self.queues.values()),
+            "routed": self.routed,
+            "dropped_no_route": self.dropped_no_route,
+            "dropped_dead_letters": self.dropped_dead_letters,
+            "pending_dispatch": len(self._pending),
+        }

@@ -1,0 +1,80 @@
+"""The core's view of a consumer: an outgoing link attached to one queue.
+
+The protocol layer subclasses `Consumer` and implements `deliver`, which writes the
+message into the connection's engine. The core owns the dispatch decisions and the
+counters; the subclass owns the mapping from wire deliveries to entries (so the core
+never holds a proton object).
+
+`credit` mirrors the link credit: the protocol layer sets it from flow frames and the
+core decrements it per delivery. `blocked` is set by the protocol layer while the
+connection's unsent output is above its high-water mark. A consumer is *busy* when it
+has no credit or is blocked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from amqbroker.core.entry import Entry
+    from amqbroker.core.groups import Group
+    from amqbroker.core.queue import Queue
+
+
+class Consumer:
+    __slots__ = (
+        "attached_at",
+        "blocked",
+        "bound",
+        "connection_id",
+        "container_id",
+        "credit",
+        "filter",
+        "inflight",
+        "last_delivery",
+        "name",
+        "parked_groups",
+        "presettled",
+        "priority",
+        "queue",
+        "seq",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        priority: int = 0,
+        presettled: bool = False,
+        connection_id: str = "",
+        container_id: str = "",
+    ) -> None:
+        self.name = name
+        self.priority = priority
+        self.presettled = presettled
+        self.connection_id = connection_id
+        self.container_id = container_id
+        self.queue: Queue | None = None
+        self.credit = 0
+        self.blocked = False
+        #: filter slot (selectors, no-local): None = take everything
+        self.filter: Callable[[Entry], bool] | None = None
+        #: unsettled deliveries to this consumer
+        self.inflight = 0
+        #: groups bound to this consumer, keyed by group key
+        self.bound: dict[Any, Group] = {}
+        #: bound groups with parked messages waiting for this consumer's credit
+        self.parked_groups: deque[Group] = deque()
+        self.last_delivery = 0.0
+        self.attached_at = 0.0
+        #: attach order within the queue (tie breaker)
+        self.seq = 0
+
+    def deliver(self, entry: Entry, first: bool) -> None:
+        """Send `entry` on the wire. `first` asks for the group-first flag property."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Consumer {self.name!r} credit={self.credit} inflight={self.inflight}>"

@@ -1,0 +1,550 @@
+"""One AMQP connection: bytes in, events handled, bytes out. It never touches a socket.
+
+The net layer feeds received bytes to `feed`, sends what `output` returns and reports
+it with `consumed`, calls `tick` for idle-timeout/heartbeats, and `input_closed` /
+`abort` when the socket ends. Other connections' dispatch writes into this
+connection's engine directly (a consumer link's `deliver`); `mark_dirty` then asks the
+net layer to flush it at the end of the current batch, so there is no task switch per
+message.
+
+Layering of one connection: our SASL layer (`sasl.SaslServer`) sees the first bytes;
+after a successful outcome the rest goes to a Proton server transport configured
+without SASL. Control events (open, begin, attach, detach, end, close) are handled
+here through the object API; transfers, dispositions and flow go through `fastpath`.
+
+Every refusal carries an AMQP condition and a description a person can act on.
+Links are refused the way Qpid JMS expects: attach with a null source/target, then
+detach with the error.
+
+Invariants: `links` holds exactly the open links of this connection (raw pointer ->
+handler); `cleanup` (on close, transport error or abort) detaches every handler, so
+consumers' unsettled messages return to their queues and temporary queues go away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import proton
+from cproton_ffi import lib
+from proton import Condition, Link, Terminus, symbol
+
+from amqbroker import __version__
+from amqbroker.core.address import ANYCAST, MULTICAST
+from amqbroker.core.auth import Authenticator
+from amqbroker.core.broker import Broker
+from amqbroker.core.errors import (
+    BrokerError,
+    NotFound,
+    NotImplementedFeature,
+    ResourceLimitExceeded,
+)
+from amqbroker.protocol import fastpath as fp
+from amqbroker.protocol.links import ConsumerLink, ProducerLink, SyncTracker
+from amqbroker.protocol.sasl import SaslServer
+
+log = logging.getLogger(__name__)
+
+MANAGEMENT_ADDRESS = "$management"
+
+_E = lib
+EV_CONN_REMOTE_OPEN = _E.PN_CONNECTION_REMOTE_OPEN
+EV_CONN_REMOTE_CLOSE = _E.PN_CONNECTION_REMOTE_CLOSE
+EV_SSN_REMOTE_OPEN = _E.PN_SESSION_REMOTE_OPEN
+EV_SSN_REMOTE_CLOSE = _E.PN_SESSION_REMOTE_CLOSE
+EV_LINK_REMOTE_OPEN = _E.PN_LINK_REMOTE_OPEN
+EV_LINK_REMOTE_CLOSE = _E.PN_LINK_REMOTE_CLOSE
+EV_LINK_REMOTE_DETACH = _E.PN_LINK_REMOTE_DETACH
+EV_TRANSPORT_ERROR = _E.PN_TRANSPORT_ERROR
+EV_TRANSPORT_CLOSED = _E.PN_TRANSPORT_CLOSED
+
+_ROUTING_CAPS = {
+    "queue": ANYCAST,
+    "temporary-queue": ANYCAST,
+    "topic": MULTICAST,
+    "temporary-topic": MULTICAST,
+}
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    container_id: str = "amqbroker"
+    max_frame_size: int = 65536
+    channel_max: int = 255
+    max_sessions: int = 64
+    max_links: int = 1000
+    idle_timeout: float = 60.0
+    max_message_size: int = 100 * 1024 * 1024
+    link_credit: int = 1000
+    output_high_water: int = 1 << 20
+    output_low_water: int = 256 << 10
+    refuse_reason: str = ""  # non-empty: close the connection right after open
+
+
+def _symbols(data: Any) -> set[str]:
+    """The symbols in a terminus capabilities field (array, list or single)."""
+    if data is None:
+        return set()
+    data.rewind()
+    if not data.next():
+        return set()
+    obj = data.get_object()
+    if isinstance(obj, str):
+        return {str(obj)}
+    try:
+        return {str(x) for x in obj}
+    except TypeError:
+        return set()
+
+
+class AmqpConnection:
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        limits: ConnectionLimits,
+        auth: Authenticator,
+        conn_id: str,
+        peer: str = "",
+        sync: SyncTracker | None = None,
+        management: Any = None,
+        on_dirty: Callable[[AmqpConnection], None] | None = None,
+    ) -> None:
+        self.broker = broker
+        self.limits = limits
+        self.conn_id = conn_id
+        self.peer = peer
+        self.sync = sync
+        self.management = management
+        self._on_dirty = on_dirty
+        self.dirty = False
+        self.out_pending = 0
+        self.high_water = limits.output_high_water
+        self.output_blocked = False
+        self.user: str | None = None
+        self.remote_container: str | None = None
+        self.links: dict[Any, Any] = {}
+        self._sessions: set[Any] = set()
+        self._closed = False
+        self._opened = False
+        self._cleaned = False
+        self._sasl: SaslServer | None = SaslServer(auth, max_frame=max(limits.max_frame_size, 512))
+        self._pre_output = b""
+        self._sasl_failed = False
+        self.rbuf = fp.RecvBuffer()
+        self._obuf = fp.OutputBuffer()
+
+        t = proton.Transport(proton.Transport.SERVER)
+        t.max_frame_size = limits.max_frame_size
+        t.channel_max = limits.channel_max
+        if limits.idle_timeout > 0:
+            t.idle_timeout = limits.idle_timeout
+        c = proton.Connection()
+        coll = proton.Collector()
+        c.collect(coll)
+        t.bind(c)
+        self._transport = t
+        self._pconn = c
+        self._collector = coll
+        self._t = t._impl
+        self._coll = coll._impl
+
+    # --------------------------------------------------------------- I/O API
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Bytes received from the peer."""
+        if self._sasl is not None:
+            s = self._sasl
+            if data:
+                s.feed(bytes(data))
+            self._pre_output += s.take_output()
+            if s.failed:
+                self._sasl_failed = True
+                log.info("connection %s from %s: %s", self.conn_id, self.peer, s.error)
+                self.mark_dirty()
+                return
+            if not s.done:
+                self.mark_dirty()
+                return
+            self.user = s.user
+            data = s.take_passthrough()
+            self._sasl = None
+            self.mark_dirty()
+            if not data:
+                return
+        fp.push_input(self._t, data)
+        self.process()
+        # input almost always produces output (dispositions, flow): flush this batch
+        self.mark_dirty()
+
+    @property
+    def in_sasl(self) -> bool:
+        """The SASL exchange is still running (feeding it may verify a password:
+        the net layer can run `sasl_feed` in a worker thread)."""
+        return self._sasl is not None and not self._sasl_failed
+
+    def sasl_feed(self, data: bytes) -> None:
+        """Feed the SASL layer only; touches nothing else, so it may run in a thread.
+        Call `feed(b"")` afterwards on the event loop to carry on."""
+        if self._sasl is not None:
+            self._sasl.feed(data)
+
+    @property
+    def opened(self) -> bool:
+        return self._opened
+
+    def process(self) -> None:
+        """Handle pending engine events."""
+        fp.pump(self._coll, self.links, self._control)
+
+    def output(self) -> memoryview | bytes | None:
+        """Bytes to send; empty when none; None when the connection is finished
+        (all output written and the transport closed)."""
+        if self._pre_output:
+            return self._pre_output
+        if self._sasl_failed:
+            return None
+        if self._sasl is not None:
+            return b""
+        return self._obuf.peek(self._t)
+
+    def consumed(self, n: int) -> None:
+        if self._pre_output:
+            self._pre_output = self._pre_output[n:]
+        else:
+            fp.pop_output(self._t, n)
+
+    def flushed(self) -> None:
+        """The net layer wrote what it could; `out_pending` is recomputed."""
+        self.dirty = False
+        self.out_pending = (
+            0 if self._sasl is not None else max(lib.pn_transport_pending(self._t), 0)
+        )
+        if self.output_blocked and self.out_pending <= self.limits.output_low_water:
+            self.unblock_output()
+
+    def input_closed(self) -> None:
+        """The peer closed its side of the socket."""
+        if self._sasl is None:
+            fp.close_input(self._t)
+            self.process()
+        self.cleanup()
+        self.mark_dirty()
+
+    def abort(self) -> None:
+        """The socket failed: nothing more will be sent or received."""
+        if self._sasl is None:
+            fp.close_input(self._t)
+            fp.close_output(self._t)
+            self.process()
+        self.cleanup()
+
+    def tick(self, now_ms: int) -> int:
+        """Heartbeats and idle timeout; returns the next deadline in ms (0 = none)."""
+        if self._sasl is not None:
+            return 0
+        deadline = fp.tick(self._t, now_ms)
+        self.process()
+        return deadline
+
+    def close(self, condition: str, description: str) -> None:
+        """Close the connection from our side (shutdown, limits)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sasl is not None:
+            self._sasl_failed = True
+            return
+        self.cleanup()
+        self._pconn.condition = Condition(condition, description)
+        self._pconn.close()
+        self.mark_dirty()
+
+    @property
+    def unsettled_count(self) -> int:
+        return sum(len(h.unsettled) for h in self.links.values() if isinstance(h, ConsumerLink))
+
+    # ----------------------------------------------------------- output flow
+    def mark_dirty(self) -> None:
+        if not self.dirty:
+            self.dirty = True
+            if self._on_dirty is not None:
+                self._on_dirty(self)
+
+    def block_output(self) -> None:
+        self.output_blocked = True
+        for h in self.links.values():
+            if isinstance(h, ConsumerLink):
+                h.blocked = True
+
+    def unblock_output(self) -> None:
+        self.output_blocked = False
+        for h in list(self.links.values()):
+            if isinstance(h, ConsumerLink):
+                h.blocked = False
+                if h.queue is not None and h.credit > 0:
+                    h.queue.credit_changed(h)
+
+    # -------------------------------------------------------- control events
+    def _control(self, ev: Any) -> None:
+        t = lib.pn_event_type(ev)
+        try:
+            if t == EV_LINK_REMOTE_OPEN:
+                self._on_link_open(Link.wrap(lib.pn_event_link(ev)))
+            elif t in (EV_LINK_REMOTE_CLOSE, EV_LINK_REMOTE_DETACH):
+                self._on_link_close(Link.wrap(lib.pn_event_link(ev)), t == EV_LINK_REMOTE_CLOSE)
+            elif t == EV_SSN_REMOTE_OPEN:
+                self._on_session_open(proton.Session.wrap(lib.pn_event_session(ev)))
+            elif t == EV_SSN_REMOTE_CLOSE:
+                self._on_session_close(proton.Session.wrap(lib.pn_event_session(ev)))
+            elif t == EV_CONN_REMOTE_OPEN:
+                self._on_open()
+            elif t == EV_CONN_REMOTE_CLOSE:
+                self._on_remote_close()
+            elif t == EV_TRANSPORT_ERROR:
+                cond = self._transport.condition
+                if cond is not None:
+                    log.info(
+                        "connection %s from %s: transport error %s: %s",
+                        self.conn_id,
+                        self.peer,
+                        cond.name,
+                        cond.description,
+                    )
+                self.cleanup()
+            elif t == EV_TRANSPORT_CLOSED:
+                self.cleanup()
+        except Exception:
+            log.exception(
+                "connection %s: error handling %s",
+                self.conn_id,
+                proton.Event.TYPES.get(t, t) if hasattr(proton.Event, "TYPES") else t,
+            )
+            self.close("amqp:internal-error", "the broker hit an internal error on this connection")
+
+    def _on_open(self) -> None:
+        c = self._pconn
+        self.remote_container = c.remote_container
+        c.container = self.limits.container_id
+        c.offered_capabilities = proton.SymbolList([symbol("ANONYMOUS-RELAY")])
+        c.properties = {symbol("product"): "amqbroker", symbol("version"): __version__}
+        c.open()
+        self._opened = True
+        log.debug(
+            "connection %s open from %s container=%s user=%s",
+            self.conn_id,
+            self.peer,
+            self.remote_container,
+            self.user,
+        )
+        if self.limits.refuse_reason:
+            self.close("amqp:resource-limit-exceeded", self.limits.refuse_reason)
+
+    def _on_remote_close(self) -> None:
+        self.cleanup()
+        if not self._closed:
+            self._closed = True
+            self._pconn.close()
+        self.mark_dirty()
+
+    def _on_session_open(self, ssn: Any) -> None:
+        if len(self._sessions) >= self.limits.max_sessions:
+            ssn.open()
+            ssn.condition = Condition(
+                "amqp:resource-limit-exceeded",
+                f"too many sessions on this connection (max_sessions_per_connection="
+                f"{self.limits.max_sessions}); close sessions you no longer use",
+            )
+            ssn.close()
+            return
+        self._sessions.add(ssn._impl)
+        ssn.open()
+
+    def _on_session_close(self, ssn: Any) -> None:
+        ptr = ssn._impl
+        for lptr, h in list(self.links.items()):
+            if lib.pn_link_session(lptr) == ptr:
+                self._detach_handler(lptr, h)
+                link = h.link
+                if link.state & proton.Endpoint.LOCAL_ACTIVE:
+                    link.close()
+        self._sessions.discard(ptr)
+        ssn.close()
+        ssn.free()
+        self.mark_dirty()
+
+    def _refuse_link(self, link: Any, err: BrokerError) -> None:
+        log.info(
+            "connection %s: refused %s link %r: %s %s",
+            self.conn_id,
+            "consumer" if link.is_sender else "producer",
+            link.name,
+            err.condition,
+            err.description,
+        )
+        # attach with a null source/target, then detach with the error
+        if link.is_sender:
+            link.target.copy(link.remote_target)
+        else:
+            link.source.copy(link.remote_source)
+        link.open()
+        link.condition = Condition(err.condition, err.description)
+        link.close()
+        self.mark_dirty()
+
+    def _on_link_open(self, link: Any) -> None:
+        try:
+            if len(self.links) >= self.limits.max_links:
+                raise ResourceLimitExceeded(
+                    f"too many links on this connection (max_links_per_connection="
+                    f"{self.limits.max_links}); close links you no longer use"
+                )
+            if link.is_sender:
+                self._attach_consumer(link)
+            else:
+                self._attach_producer(link)
+        except BrokerError as err:
+            self._refuse_link(link, err)
+        self.mark_dirty()
+
+    def _attach_consumer(self, link: Any) -> None:
+        src = link.remote_source
+        caps = _symbols(src.capabilities)
+        hint = next((_ROUTING_CAPS[c] for c in caps if c in _ROUTING_CAPS), None)
+        broker = self.broker
+        temporary = False
+        if src.dynamic:
+            q = broker.create_temporary_queue()
+            temporary = True
+        else:
+            address = src.address
+            if not address:
+                raise NotFound("a consumer must name a source address (or ask for a dynamic node)")
+            if address == MANAGEMENT_ADDRESS:
+                raise NotFound(
+                    "'$management' takes requests: attach a sender to it and receive the "
+                    "replies on a dynamic or named reply address"
+                )
+            q = broker.queue_for_consumer(address, hint, subscription=link.name)
+        priority = 0
+        props = link.remote_properties
+        if props:
+            p = props.get(symbol("priority"))
+            if isinstance(p, int):
+                priority = int(p)
+        presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
+        link.source.copy(src)
+        link.source.address = q.name
+        link.target.copy(link.remote_target)
+        link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
+        link.rcv_settle_mode = Link.RCV_FIRST
+        h = ConsumerLink(
+            self, link, priority=priority, presettled=presettled, temporary_queue=temporary
+        )
+        self.links[h.ptr] = h
+        link.open()
+        q.add_consumer(h)
+        log.debug("connection %s: consumer %r on queue %r", self.conn_id, link.name, q.name)
+
+    def _attach_producer(self, link: Any) -> None:
+        tgt = link.remote_target
+        broker = self.broker
+        if tgt.type == Terminus.COORDINATOR:
+            raise NotImplementedFeature(
+                "transactions are not supported by this broker yet; send without a "
+                "transaction (Qpid JMS: use a non-transacted session)"
+            )
+        temp = None
+        address = None
+        if tgt.dynamic:
+            temp = broker.create_temporary_queue()
+            address = temp.address
+            name = temp.name
+        elif tgt.address is None:
+            name = None  # anonymous relay
+        elif tgt.address == MANAGEMENT_ADDRESS and self.management is not None:
+            self._attach_management(link)
+            return
+        else:
+            caps = _symbols(tgt.capabilities)
+            hint = next((_ROUTING_CAPS[c] for c in caps if c in _ROUTING_CAPS), None)
+            address = broker.address_for_producer(tgt.address, hint)
+            name = tgt.address
+        link.target.copy(tgt)
+        if name is not None:
+            link.target.address = name
+        link.source.copy(link.remote_source)
+        link.rcv_settle_mode = Link.RCV_FIRST
+        link.snd_settle_mode = link.remote_snd_settle_mode
+        link.max_message_size = self.limits.max_message_size
+        h = ProducerLink(
+            self,
+            link,
+            address,
+            window=self.limits.link_credit,
+            max_size=self.limits.max_message_size,
+            temporary_queue=temp,
+        )
+        if address is not None:
+            address.producers += 1
+        self.links[h.ptr] = h
+        link.open()
+        h.start()
+
+    def _attach_management(self, link: Any) -> None:
+        h = self.management.attach(self, link)
+        self.links[h.ptr] = h
+        link.target.copy(link.remote_target)
+        link.source.copy(link.remote_source)
+        link.open()
+        h.start()
+
+    def _on_link_close(self, link: Any, closed: bool) -> None:
+        ptr = link._impl
+        h = self.links.get(ptr)
+        if h is not None:
+            self._detach_handler(ptr, h)
+        if closed:
+            link.close()
+        else:
+            link.detach()
+        link.free()
+        self.mark_dirty()
+
+    def _detach_handler(self, ptr: Any, h: Any) -> None:
+        del self.links[ptr]
+        h.detach(self.broker)
+
+    def detach_consumer(self, h: ConsumerLink, condition: str, description: str) -> None:
+        """Close a consumer link from our side (its queue was deleted, ...)."""
+        if self.links.get(h.ptr) is h:
+            self._detach_handler(h.ptr, h)
+            h.link.condition = Condition(condition, description)
+            h.link.close()
+            self.mark_dirty()
+
+    def detach_producer(self, h: ProducerLink, condition: str, description: str) -> None:
+        if self.links.get(h.ptr) is h:
+            self._detach_handler(h.ptr, h)
+            h.link.condition = Condition(condition, description)
+            h.link.close()
+            self.mark_dirty()
+
+    def cleanup(self) -> None:
+        """Detach every link handler (idempotent)."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        for ptr, h in list(self.links.items()):
+            self._detach_handler(ptr, h)
+        self._sessions.clear()
+
+    @property
+    def open_links(self) -> int:
+        return len(self.links)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)

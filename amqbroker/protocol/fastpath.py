@@ -1,0 +1,325 @@
+"""The hot path: Proton's engine driven through its cffi layer.
+
+python-qpid-proton's object API wraps every event, link and delivery in Python objects
+(~8,600 msgs/s for a producer->broker->consumer hop). Calling `cproton_ffi.lib`
+directly for the per-message work is ~10x faster (ARCHITECTURE.md decision 1). This
+module is the only place that does so; everything else (open, attach, detach, close,
+errors) uses the object API. The raw layer is not a public API, which is why the
+project pins python-qpid-proton==0.40.*; `check_binding()` fails loudly at start-up if
+a symbol this module needs is missing.
+
+Per-message work done here, and nothing else:
+* `pump`: drain the connection's collector; transfers (PN_DELIVERY) and flow
+  (PN_LINK_FLOW) go straight to the link handler found by raw pointer, other events go
+  to the connection's control handler (object API).
+* `receive`: copy a complete incoming transfer into one bytes object.
+* `send`: create a delivery with a 4-byte tag from a counter, write, advance.
+* settle / update / disposition details, input push and output peek/pop.
+
+Invariant: no proton pointer outlives its owner here. Link handlers are registered in
+the connection's `links` map (raw pointer -> handler) while the link is open, and
+removed before the link is freed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cproton_ffi import ffi, lib
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+PN_DELIVERY: int = lib.PN_DELIVERY
+PN_LINK_FLOW: int = lib.PN_LINK_FLOW
+PN_TRANSPORT: int = lib.PN_TRANSPORT
+PN_ACCEPTED: int = lib.PN_ACCEPTED
+PN_REJECTED: int = lib.PN_REJECTED
+PN_RELEASED: int = lib.PN_RELEASED
+PN_MODIFIED: int = lib.PN_MODIFIED
+PN_RECEIVED: int = lib.PN_RECEIVED
+PN_EOS: int = lib.PN_EOS
+
+_peek = lib.pn_collector_peek
+_pop = lib.pn_collector_pop
+_etype = lib.pn_event_type
+_edelivery = lib.pn_event_delivery
+_elink = lib.pn_event_link
+_dlink = lib.pn_delivery_link
+_readable = lib.pn_delivery_readable
+_partial = lib.pn_delivery_partial
+_aborted = lib.pn_delivery_aborted
+_pending = lib.pn_delivery_pending
+_recv = lib.pn_link_recv
+_advance = lib.pn_link_advance
+_delivery = lib.pn_delivery
+_send = lib.pn_link_send
+_settle = lib.pn_delivery_settle
+_update = lib.pn_delivery_update
+_remote_state = lib.pn_delivery_remote_state
+_remote_settled = lib.pn_delivery_settled
+_remote_disp = lib.pn_delivery_remote
+_local_disp = lib.pn_delivery_local
+_is_failed = lib.pn_disposition_is_failed
+_is_undeliverable = lib.pn_disposition_is_undeliverable
+_disp_condition = lib.pn_disposition_condition
+_cond_set_name = lib.pn_condition_set_name
+_cond_set_desc = lib.pn_condition_set_description
+_credit = lib.pn_link_credit
+_get_drain = lib.pn_link_get_drain
+_drained = lib.pn_link_drained
+_flow = lib.pn_link_flow
+_t_capacity = lib.pn_transport_capacity
+_t_push = lib.pn_transport_push
+_t_pending = lib.pn_transport_pending
+_t_peek = lib.pn_transport_peek
+_t_pop = lib.pn_transport_pop
+_t_close_tail = lib.pn_transport_close_tail
+_t_close_head = lib.pn_transport_close_head
+_t_tick = lib.pn_transport_tick
+_unpack = ffi.unpack
+_from_buffer = ffi.from_buffer
+NULL = ffi.NULL
+
+REQUIRED = (
+    "pn_collector_peek",
+    "pn_collector_pop",
+    "pn_event_type",
+    "pn_event_delivery",
+    "pn_event_link",
+    "pn_delivery_link",
+    "pn_delivery_readable",
+    "pn_delivery_partial",
+    "pn_delivery_aborted",
+    "pn_delivery_pending",
+    "pn_link_recv",
+    "pn_link_advance",
+    "pn_delivery",
+    "pn_link_send",
+    "pn_delivery_settle",
+    "pn_delivery_update",
+    "pn_delivery_remote_state",
+    "pn_delivery_settled",
+    "pn_delivery_remote",
+    "pn_delivery_local",
+    "pn_disposition_is_failed",
+    "pn_disposition_is_undeliverable",
+    "pn_disposition_condition",
+    "pn_condition_set_name",
+    "pn_condition_set_description",
+    "pn_link_credit",
+    "pn_link_get_drain",
+    "pn_link_drained",
+    "pn_link_flow",
+    "pn_transport_capacity",
+    "pn_transport_push",
+    "pn_transport_pending",
+    "pn_transport_peek",
+    "pn_transport_pop",
+    "pn_transport_close_tail",
+    "pn_transport_close_head",
+    "pn_transport_tick",
+)
+
+
+def check_binding() -> None:
+    missing = [n for n in REQUIRED if not hasattr(lib, n)]
+    if missing:
+        raise RuntimeError(
+            "the installed python-qpid-proton lacks cffi symbols amqbroker needs "
+            f"({', '.join(missing)}); install python-qpid-proton==0.40.*"
+        )
+
+
+class LinkHandler(Protocol):
+    def on_delivery(self, d: Any) -> None: ...
+
+    def on_flow(self) -> None: ...
+
+
+def pump(
+    collector: Any,
+    links: dict[Any, LinkHandler],
+    control: Callable[[Any], None],
+) -> None:
+    """Handle every event waiting in the collector."""
+    while True:
+        ev = _peek(collector)
+        if not ev:
+            return
+        t = _etype(ev)
+        if t == PN_DELIVERY:
+            d = _edelivery(ev)
+            h = links.get(_dlink(d))
+            if h is not None:
+                h.on_delivery(d)
+        elif t == PN_LINK_FLOW:
+            h = links.get(_elink(ev))
+            if h is not None:
+                h.on_flow()
+        elif t != PN_TRANSPORT:
+            control(ev)
+        _pop(collector)
+
+
+class RecvBuffer:
+    """A reusable receive buffer that grows to the largest message seen (bounded by
+    the max message size the link advertises)."""
+
+    __slots__ = ("buf", "size")
+
+    def __init__(self, size: int = 65536) -> None:
+        self.size = size
+        self.buf = ffi.new("char[]", size)
+
+    def receive(self, link: Any, d: Any) -> bytes | None:
+        """The complete message of delivery `d`, or None while it is partial."""
+        if _partial(d) or not _readable(d):
+            return None
+        n = _pending(d)
+        if n > self.size:
+            self.size = n
+            self.buf = ffi.new("char[]", n)
+        buf = self.buf
+        got = _recv(link, buf, n)
+        _advance(link)
+        if got < 0:
+            return b""
+        data: bytes = _unpack(buf, got)
+        return data
+
+
+def aborted(d: Any) -> bool:
+    return bool(_aborted(d))
+
+
+def remotely_settled(d: Any) -> bool:
+    return bool(_remote_settled(d))
+
+
+class Sender:
+    """Sends on one outgoing link: tags from a 32-bit counter in a reused buffer."""
+
+    __slots__ = ("link", "tagc", "tagp")
+
+    def __init__(self, link: Any) -> None:
+        self.link = link
+        self.tagp = ffi.new("uint32_t *")
+        self.tagc = ffi.cast("char *", self.tagp)
+
+    def send(self, data: bytes, settle: bool) -> Any:
+        tagp = self.tagp
+        tagp[0] = (tagp[0] + 1) & 0xFFFFFFFF
+        link = self.link
+        d = _delivery(link, (4, self.tagc))
+        _send(link, data, len(data))
+        _advance(link)
+        if settle:
+            _settle(d)
+        return d
+
+
+def settle(d: Any) -> None:
+    _settle(d)
+
+
+def accept(d: Any) -> None:
+    _update(d, PN_ACCEPTED)
+    _settle(d)
+
+
+def reject(d: Any, condition: str, description: str) -> None:
+    cond = _disp_condition(_local_disp(d))
+    _cond_set_name(cond, condition.encode())
+    _cond_set_desc(cond, description.encode())
+    _update(d, PN_REJECTED)
+    _settle(d)
+
+
+def release(d: Any) -> None:
+    _update(d, PN_RELEASED)
+    _settle(d)
+
+
+def outcome(d: Any) -> tuple[int, bool, bool]:
+    """(remote state, delivery-failed, undeliverable-here) of a consumer's disposition."""
+    state = _remote_state(d)
+    if state == PN_MODIFIED:
+        disp = _remote_disp(d)
+        return state, bool(_is_failed(disp)), bool(_is_undeliverable(disp))
+    return state, False, False
+
+
+def credit(link: Any) -> int:
+    return int(_credit(link))
+
+
+def drain_requested(link: Any) -> bool:
+    return bool(_get_drain(link))
+
+
+def drained(link: Any) -> int:
+    return int(_drained(link))
+
+
+def flow(link: Any, n: int) -> None:
+    _flow(link, n)
+
+
+def push_input(transport: Any, data: bytes | bytearray | memoryview) -> int:
+    """Push bytes into the transport; returns how many were taken, or <0 when the
+    transport's input side is closed."""
+    total = 0
+    n = len(data)
+    mv = memoryview(data)
+    while total < n:
+        cap = _t_capacity(transport)
+        if cap < 0:
+            return cap if total == 0 else total
+        if cap == 0:
+            break
+        k = min(cap, n - total)
+        r = _t_push(transport, _from_buffer(mv[total : total + k]), k)
+        if r < 0:
+            return r if total == 0 else total
+        total += k
+    return total
+
+
+class OutputBuffer:
+    """Peeks the transport's pending output into one reused buffer."""
+
+    __slots__ = ("buf", "size", "view")
+
+    def __init__(self, size: int = 262144) -> None:
+        self.size = size
+        self.buf = ffi.new("char[]", size)
+        self.view = memoryview(ffi.buffer(self.buf))
+
+    def peek(self, transport: Any) -> memoryview | None:
+        """Pending output (up to the buffer size); empty when none, None when the
+        transport's output side is closed."""
+        n = _t_pending(transport)
+        if n < 0:
+            return None
+        if n == 0:
+            return self.view[:0]
+        n = min(n, self.size)
+        _t_peek(transport, self.buf, n)
+        return self.view[:n]
+
+
+def pop_output(transport: Any, n: int) -> None:
+    _t_pop(transport, n)
+
+
+def close_input(transport: Any) -> None:
+    _t_close_tail(transport)
+
+
+def close_output(transport: Any) -> None:
+    _t_close_head(transport)
+
+
+def tick(transport: Any, now_ms: int) -> int:
+    return int(_t_tick(transport, now_ms))

@@ -1,0 +1,343 @@
+"""Link adapters: an outgoing link is a core `Consumer`; an incoming link feeds an
+address. Both are driven per message from `fastpath.pump`.
+
+ConsumerLink (broker -> client): `deliver` writes the message bytes as received,
+splicing a new header when the delivery-count changed and the group-first property
+when asked. Unsettled deliveries are kept in one map (raw delivery pointer -> entry),
+the only per-delivery state; a disposition pops it and calls the queue's settlement
+(ack / release / modified / reject). On detach every unsettled entry goes back to the
+queue (`Queue.remove_consumer`).
+
+ProducerLink (client -> broker): each complete transfer is scanned (routing fields
+only), wrapped in an `Entry` and routed in the same call. A transfer routed to a
+durable queue is settled only after the store has synced the batch holding it
+(`SyncTracker`); every other one is accepted at once. Credit is the backpressure: a
+window is granted and topped up at half, except while the target address is full
+under the BLOCK policy, when the link waits on the address until space returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from amqbroker.core.address import Address
+from amqbroker.core.broker import ROUTED_SYNC, Broker
+from amqbroker.core.consumer import Consumer
+from amqbroker.core.entry import Entry
+from amqbroker.core.errors import BrokerError
+from amqbroker.core.queue import Queue
+from amqbroker.protocol import fastpath as fp
+from amqbroker.protocol.scanner import (
+    ScanError,
+    add_application_property,
+    scan,
+    set_delivery_count,
+)
+
+if TYPE_CHECKING:
+    from amqbroker.protocol.connection import AmqpConnection
+
+log = logging.getLogger(__name__)
+
+
+class SyncTracker:
+    """Producers waiting for the store to sync the batch holding their messages."""
+
+    def __init__(self, ticket: Callable[[], int]) -> None:
+        #: number of the store batch that will hold records appended now
+        self.ticket = ticket
+        self.waiters: set[ProducerLink] = set()
+
+    def synced(self, batch_no: int) -> None:
+        for w in list(self.waiters):
+            w.on_synced(batch_no)
+
+
+class ConsumerLink(Consumer):
+    __slots__ = ("conn", "link", "ptr", "sender", "temporary_queue", "unsettled")
+
+    def __init__(
+        self,
+        conn: AmqpConnection,
+        link: Any,
+        *,
+        priority: int,
+        presettled: bool,
+        temporary_queue: bool,
+    ) -> None:
+        super().__init__(
+            link.name,
+            priority=priority,
+            presettled=presettled,
+            connection_id=conn.conn_id,
+            container_id=conn.remote_container or "",
+        )
+        self.conn = conn
+        self.link = link
+        self.ptr = link._impl
+        self.sender = fp.Sender(self.ptr)
+        self.unsettled: dict[Any, Entry] = {}
+        #: the queue is a dynamic node owned by this link (deleted on close)
+        self.temporary_queue = temporary_queue
+
+    # core -> wire
+    def deliver(self, entry: Entry, first: bool) -> None:
+        data = entry.data
+        if entry.delivery_count:
+            data = set_delivery_count(data, entry.delivery_count)
+        if first:
+            q = self.queue
+            if q is not None and q.first_key:
+                data = add_application_property(data, q.first_key, True)
+        d = self.sender.send(data, self.presettled)
+        if not self.presettled:
+            self.unsettled[d] = entry
+        conn = self.conn
+        conn.out_pending += len(data)
+        if not conn.dirty:
+            conn.mark_dirty()
+        if conn.out_pending > conn.high_water and not conn.output_blocked:
+            conn.block_output()
+
+    def unsettled_entries(self) -> Iterable[Entry]:
+        return self.unsettled.values()
+
+    # wire -> core
+    def on_delivery(self, d: Any) -> None:
+        e = self.unsettled.pop(d, None)
+        if e is None:
+            if fp.remotely_settled(d):
+                fp.settle(d)
+            return
+        state, failed, undeliverable = fp.outcome(d)
+        q = self.queue
+        if q is None:
+            fp.settle(d)
+            return
+        if state == fp.PN_ACCEPTED:
+            q.ack(self, e)
+        elif state == fp.PN_RELEASED:
+            q.release(self, e)
+        elif state == fp.PN_MODIFIED:
+            q.release(self, e, delivery_failed=failed, undeliverable_here=undeliverable)
+        elif state == fp.PN_REJECTED:
+            q.reject(self, e)
+        elif state == 0 and fp.remotely_settled(d):
+            q.ack(self, e)  # settled without an outcome: taken as accepted
+        else:
+            self.unsettled[d] = e  # received / no terminal outcome yet
+            return
+        fp.settle(d)
+        if not self.conn.dirty:
+            self.conn.mark_dirty()
+
+    def on_flow(self) -> None:
+        ptr = self.ptr
+        self.credit = fp.credit(ptr)
+        q = self.queue
+        if q is not None and self.credit > 0:
+            q.credit_changed(self)
+        if fp.drain_requested(ptr) and self.credit > 0:
+            fp.drained(ptr)
+            self.credit = 0
+        if not self.conn.dirty:
+            self.conn.mark_dirty()
+
+    def detach(self, broker: Broker) -> None:
+        """Return unsettled messages, leave the queue, drop a dynamic queue."""
+        q = self.queue
+        unsettled = list(self.unsettled.values())
+        self.unsettled.clear()
+        if q is not None:
+            q.remove_consumer(self, unsettled)
+            if self.temporary_queue and not q.deleted:
+                broker.delete_queue(q)
+
+
+class ProducerLink:
+    __slots__ = (
+        "address",
+        "blocked",
+        "broker",
+        "closed",
+        "conn",
+        "credit",
+        "fallback",
+        "link",
+        "max_size",
+        "ptr",
+        "rbuf",
+        "sync",
+        "temporary_queue",
+        "waiting",
+        "window",
+    )
+
+    def __init__(
+        self,
+        conn: AmqpConnection,
+        link: Any,
+        address: Address | None,
+        *,
+        window: int,
+        max_size: int,
+        temporary_queue: Queue | None = None,
+    ) -> None:
+        self.conn = conn
+        self.broker = conn.broker
+        self.link = link
+        self.ptr = link._impl
+        #: None = anonymous relay (per-message `to`)
+        self.address = address
+        self.window = window
+        self.credit = 0
+        self.max_size = max_size
+        self.blocked = False
+        self.closed = False
+        self.rbuf = conn.rbuf
+        self.sync = conn.sync
+        self.waiting: deque[tuple[Any, int]] = deque()
+        self.temporary_queue = temporary_queue
+        self.fallback = True
+        if address is not None and address.settings is not None:
+            self.fallback = bool(address.settings.group_id_from_application_properties)
+
+    def start(self) -> None:
+        self._top_up()
+
+    def _top_up(self) -> None:
+        a = self.address
+        if a is not None and a.max_size >= 0 and a.size >= a.max_size and a.full_policy != "FAIL":
+            if not self.blocked:
+                self.blocked = True
+                a.block(self)
+            return
+        want = self.window - self.credit
+        if want > 0:
+            fp.flow(self.ptr, want)
+            self.credit = self.window
+            if not self.conn.dirty:
+                self.conn.mark_dirty()
+
+    def resume(self) -> None:
+        """Called by the address when it has room again."""
+        self.blocked = False
+        if not self.closed:
+            self._top_up()
+
+    def on_flow(self) -> None:
+        pass
+
+    def on_delivery(self, d: Any) -> None:
+        if fp._partial(d):
+            if fp._pending(d) > self.max_size:
+                self.conn.detach_producer(
+                    self,
+                    "amqp:link:message-size-exceeded",
+                    f"message larger than the maximum of {self.max_size} bytes "
+                    "(max_message_size); send smaller messages",
+                )
+            elif fp.aborted(d):
+                fp.settle(d)
+            return
+        data = self.rbuf.receive(self.ptr, d)
+        if data is None:
+            if fp.aborted(d):
+                fp.settle(d)
+            return
+        self.credit -= 1
+        presettled = fp.remotely_settled(d)
+        try:
+            self._route(d, data, presettled)
+        finally:
+            if self.credit <= self.window >> 1 and not self.blocked:
+                self._top_up()
+
+    def _route(self, d: Any, data: bytes, presettled: bool) -> None:
+        if len(data) > self.max_size:
+            self._refuse(
+                d,
+                presettled,
+                "amqp:link:message-size-exceeded",
+                f"message of {len(data)} bytes is larger than max_message_size ({self.max_size})",
+            )
+            return
+        try:
+            durable, prio, ttl, abs_exp, dc, gid, gseq, to = scan(data, self.fallback)
+        except ScanError as exc:
+            self._refuse(d, presettled, "amqp:decode-error", f"malformed message: {exc}")
+            return
+        a = self.address
+        broker = self.broker
+        try:
+            if a is None:
+                if not to:
+                    self._refuse(
+                        d,
+                        presettled,
+                        "amqp:precondition-failed",
+                        "message sent on an anonymous (null target) link has no "
+                        "properties.to; set the destination address on the message",
+                    )
+                    return
+                a = broker.address_for_relay(to)
+            expiry = 0
+            if ttl:
+                expiry = int(broker.clock() * 1000) + ttl
+            if abs_exp and (not expiry or abs_exp < expiry):
+                expiry = abs_exp
+            e = Entry(data, durable, prio if prio < 10 else 9, expiry, dc, gid, gseq)
+            result = broker.route(a, e)
+        except BrokerError as exc:
+            self._refuse(d, presettled, exc.condition, exc.description)
+            return
+        if presettled:
+            fp.settle(d)
+        elif result == ROUTED_SYNC and self.sync is not None:
+            self.waiting.append((d, self.sync.ticket()))
+            self.sync.waiters.add(self)
+        else:
+            fp.accept(d)
+        # anonymous relay: block the link on a full target until it drains
+        if self.address is None and a.full and a.full_policy != "FAIL" and not self.blocked:
+            self.blocked = True
+            a.block(self)
+
+    def _refuse(self, d: Any, presettled: bool, condition: str, description: str) -> None:
+        if presettled:
+            fp.settle(d)
+            log.info("dropped a presettled message: %s", description)
+        else:
+            fp.reject(d, condition, description)
+
+    def on_synced(self, batch_no: int) -> None:
+        w = self.waiting
+        n = 0
+        while w and w[0][1] <= batch_no:
+            d, _ = w.popleft()
+            if not self.closed:
+                fp.accept(d)
+            n += 1
+        if not w and self.sync is not None:
+            self.sync.waiters.discard(self)
+        if n and not self.conn.dirty:
+            self.conn.mark_dirty()
+
+    def detach(self, broker: Broker) -> None:
+        self.closed = True
+        if self.sync is not None:
+            self.sync.waiters.discard(self)
+        self.waiting.clear()
+        a = self.address
+        if a is not None:
+            a.forget(self)
+            broker.producer_detached(a)
+        if self.temporary_queue is not None and not self.temporary_queue.deleted:
+            for c in broker.delete_queue(self.temporary_queue):
+                if isinstance(c, ConsumerLink):
+                    c.conn.detach_consumer(
+                        c, "amqp:resource-deleted", "the temporary queue was deleted"
+                    )

@@ -1,0 +1,69 @@
+"""Shared fixtures: a real broker on a real socket, and a trio-native AMQP client."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from amqbroker.app import BrokerApp
+from amqbroker.settings import Settings
+from tests.client import Client
+
+BrokerFactory = Callable[..., Awaitable[BrokerApp]]
+
+
+@pytest.fixture
+async def make_broker(tmp_path: Path) -> AsyncIterator[BrokerFactory]:
+    """Start brokers on 127.0.0.1:<any port> with the given settings; each is shut down
+    gracefully (and must finish) when the test ends."""
+    apps: list[BrokerApp] = []
+    async with trio.open_nursery() as n:
+
+        async def start(**overrides: Any) -> BrokerApp:
+            values: dict[str, Any] = {
+                "port": 0,
+                "data_dir": tmp_path / f"data{len(apps)}",
+                "store_sync": False,
+                "expiry_scan_period": 0,
+            }
+            values.update(overrides)
+            app = BrokerApp(Settings(**values))
+            started: BrokerApp = await n.start(functools.partial(app.run))
+            apps.append(app)
+            return started
+
+        yield start
+        for app in apps:
+            app.request_shutdown()
+
+
+@pytest.fixture
+async def broker(make_broker: BrokerFactory) -> BrokerApp:
+    return await make_broker()
+
+
+@pytest.fixture
+def port(broker: BrokerApp) -> int:
+    return broker.listening[0][1]
+
+
+ConnectFactory = Callable[..., Awaitable[Client]]
+
+
+@pytest.fixture
+async def connect(port: int, nursery: trio.Nursery) -> AsyncIterator[ConnectFactory]:
+    clients: list[Client] = []
+
+    async def _connect(p: int | None = None, **kw: Any) -> Client:
+        c = await Client.connect(p if p is not None else port, nursery=nursery, **kw)
+        clients.append(c)
+        return c
+
+    yield _connect
+    for c in clients:
+        c.abort()

@@ -270,7 +270,10 @@ class BrokerApp:
                 await self._store_lot.park()
                 continue
             try:
-                await trio.to_thread.run_sync(j.write_batch, batch)
+                if self.settings.store_sync:
+                    await trio.to_thread.run_sync(j.write_batch, batch)
+                else:
+                    j.write_batch(batch)  # no fsync: cheap enough for the event loop
             except OSError as exc:
                 log.critical(
                     "cannot write the journal in %s: %s; stopping the broker so that no "

@@ -133,7 +133,7 @@ class Driver:
                     conn.input_closed()
                     hub.flush()
                     return
-                if conn.in_sasl:
+                if conn.sasl_may_block:
                     await trio.to_thread.run_sync(conn.sasl_feed, bytes(mv[:n]))
                     conn.feed(b"")
                 else:

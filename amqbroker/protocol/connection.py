@@ -132,6 +132,7 @@ class AmqpConnection:
         self._opened = False
         self._cleaned = False
         self._sasl: SaslServer | None = SaslServer(auth, max_frame=max(limits.max_frame_size, 512))
+        self._plain_offered = "PLAIN" in auth.mechanisms()
         self._pre_output = b""
         self._sasl_failed = False
         self.rbuf = fp.RecvBuffer()
@@ -181,9 +182,14 @@ class AmqpConnection:
 
     @property
     def in_sasl(self) -> bool:
-        """The SASL exchange is still running (feeding it may verify a password:
-        the net layer can run `sasl_feed` in a worker thread)."""
+        """The SASL exchange is still running."""
         return self._sasl is not None and not self._sasl_failed
+
+    @property
+    def sasl_may_block(self) -> bool:
+        """Feeding the SASL layer may verify a password (PBKDF2, tens of ms): the net
+        layer then runs `sasl_feed` in a worker thread."""
+        return self.in_sasl and self._plain_offered
 
     def sasl_feed(self, data: bytes) -> None:
         """Feed the SASL layer only; touches nothing else, so it may run in a thread.

@@ -200,10 +200,14 @@ class Queue:
         """Add a message at the tail (routing calls this)."""
         self._seq += 1
         e.seq = self._seq
-        e.gkey = (
-            self._key_of(e.group_id) if (e.group_id is not None or self._policy.exclusive) else None
-        )
-        self._account(e)
+        gid = e.group_id
+        e.gkey = self._key_of(gid) if (gid is not None or self._policy.exclusive) else None
+        n = len(e.data)
+        self.count += 1
+        self.bytes += n
+        a = self.address
+        if a is not None:
+            a.size += n
         self.enqueued += 1
         if self.durable and e.durable:
             self._store.message_added(self.qid, e)
@@ -220,7 +224,11 @@ class Queue:
             if c is not None:
                 self._deliver(c, e, False)
                 return
-        self._push(e)
+        p = e.priority
+        self._levels[p].append(e)
+        self._main += 1
+        if p > self._top:
+            self._top = p
         self.dispatch()
 
     def restore(self, entries: Iterable[Entry]) -> None:
@@ -242,12 +250,6 @@ class Queue:
         a = self.address
         if a is not None:
             a.size += n
-
-    def _push(self, e: Entry) -> None:
-        p = e.priority
-        self._levels[p].append(e)
-        self._main += 1
-        self._top = max(self._top, p)
 
     def _insert_main(self, e: Entry) -> None:
         """Insert at the seq position within its priority level."""
@@ -284,6 +286,15 @@ class Queue:
             return
         if not self._gate_open and not self._check_gate():
             return
+        for tier in self._tiers:
+            for c in tier.consumers:
+                if c.credit > 0 and not c.blocked:
+                    break
+            else:
+                continue
+            break
+        else:
+            return  # every consumer is busy: nothing can move
         self._in_dispatch = True
         try:
             while True:
@@ -301,7 +312,7 @@ class Queue:
         least_loaded = self._policy.group_owner_policy == "least-loaded"
         levels = self._levels
         groups = self._groups
-        now_ms = int(self._clock() * 1000)
+        now_ms = -1  # read the clock only when a message has an expiry
         while budget > 0:
             lvl = self._top
             while lvl >= 0 and not levels[lvl]:
@@ -312,11 +323,14 @@ class Queue:
             dq = levels[lvl]
             e = dq[0]
             budget -= 1
-            if e.expiry and e.expiry <= now_ms:
-                dq.popleft()
-                self._main -= 1
-                self._expire(e)
-                continue
+            if e.expiry:
+                if now_ms < 0:
+                    now_ms = int(self._clock() * 1000)
+                if e.expiry <= now_ms:
+                    dq.popleft()
+                    self._main -= 1
+                    self._expire(e)
+                    continue
             key = e.gkey
             if key is None:
                 c = self._pick(e)
@@ -519,9 +533,18 @@ class Queue:
         self._retry_unmatched()
         self.dispatch()
 
-    def remove_consumer(self, c: Consumer, unsettled: Iterable[Entry] = ()) -> None:
-        """Detach: unsettled messages back to their positions first (delivery-count
-        incremented), then the consumer's groups are released (C-1, C-2)."""
+    def remove_consumer(
+        self, c: Consumer, unsettled: Iterable[Entry] = (), *, failed: bool = True
+    ) -> None:
+        """Detach: unsettled messages back to their positions first, then the
+        consumer's groups are released (C-1, C-2).
+
+        `failed`: the consumer went away without closing (connection lost, crash,
+        idle timeout): each unsettled message counts one failed delivery attempt
+        (delivery-count + 1, max-delivery-attempts applies). A clean detach or close
+        returns them uncounted, as Artemis does: a JMS client's prefetched messages
+        were never seen by the application, and a client reports what it did process
+        with its own dispositions (modified delivery-failed)."""
         if c.queue is not self:
             return
         c.queue = None
@@ -538,7 +561,7 @@ class Queue:
         n = 0
         for e in unsettled:
             n += 1
-            if self._count_failure(e):
+            if not failed or self._count_failure(e):
                 back.append(e)
         self.inflight -= n
         c.inflight = 0
@@ -590,7 +613,7 @@ class Queue:
     def _serve(self, c: Consumer) -> None:
         """Give a consumer its parked groups' messages (older than the main order)."""
         pg = c.parked_groups
-        now_ms = int(self._clock() * 1000)
+        now_ms = -1
         while pg and c.credit > 0 and not c.blocked:
             g = pg[0]
             q = g.parked
@@ -602,10 +625,13 @@ class Queue:
                 continue
             while q and c.credit > 0 and not c.blocked:
                 e = q[0]
-                if e.expiry and e.expiry <= now_ms:
-                    q.popleft()
-                    self._expire(e)
-                    continue
+                if e.expiry:
+                    if now_ms < 0:
+                        now_ms = int(self._clock() * 1000)
+                    if e.expiry <= now_ms:
+                        q.popleft()
+                        self._expire(e)
+                        continue
                 if (c.filter is not None or self._undeliverable) and not self._accepts(c, e):
                     pg.popleft()
                     g.waiting = False

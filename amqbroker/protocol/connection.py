@@ -232,11 +232,11 @@ class AmqpConnection:
             self.unblock_output()
 
     def input_closed(self) -> None:
-        """The peer closed its side of the socket."""
+        """The peer closed its side of the socket (after an AMQP close, or not)."""
         if self._sasl is None:
             fp.close_input(self._t)
             self.process()
-        self.cleanup()
+        self.cleanup(failed=True)
         self.mark_dirty()
 
     def abort(self) -> None:
@@ -245,7 +245,7 @@ class AmqpConnection:
             fp.close_input(self._t)
             fp.close_output(self._t)
             self.process()
-        self.cleanup()
+        self.cleanup(failed=True)
 
     def tick(self, now_ms: int) -> int:
         """Heartbeats and idle timeout; returns the next deadline in ms (0 = none)."""
@@ -263,7 +263,7 @@ class AmqpConnection:
         if self._sasl is not None:
             self._sasl_failed = True
             return
-        self.cleanup()
+        self.cleanup(failed=False)
         self._pconn.condition = Condition(condition, description)
         self._pconn.close()
         self.mark_dirty()
@@ -319,9 +319,9 @@ class AmqpConnection:
                         cond.name,
                         cond.description,
                     )
-                self.cleanup()
+                self.cleanup(failed=True)
             elif t == EV_TRANSPORT_CLOSED:
-                self.cleanup()
+                self.cleanup(failed=True)
         except Exception:
             log.exception(
                 "connection %s: error handling %s",
@@ -349,7 +349,7 @@ class AmqpConnection:
             self.close("amqp:resource-limit-exceeded", self.limits.refuse_reason)
 
     def _on_remote_close(self) -> None:
-        self.cleanup()
+        self.cleanup(failed=False)
         if not self._closed:
             self._closed = True
             self._pconn.close()
@@ -519,9 +519,9 @@ class AmqpConnection:
         link.free()
         self.mark_dirty()
 
-    def _detach_handler(self, ptr: Any, h: Any) -> None:
+    def _detach_handler(self, ptr: Any, h: Any, failed: bool = False) -> None:
         del self.links[ptr]
-        h.detach(self.broker)
+        h.detach(self.broker, failed)
 
     def detach_consumer(self, h: ConsumerLink, condition: str, description: str) -> None:
         """Close a consumer link from our side (its queue was deleted, ...)."""
@@ -538,13 +538,14 @@ class AmqpConnection:
             h.link.close()
             self.mark_dirty()
 
-    def cleanup(self) -> None:
-        """Detach every link handler (idempotent)."""
+    def cleanup(self, *, failed: bool) -> None:
+        """Detach every link handler (idempotent). `failed`: the connection was lost
+        rather than closed, so unsettled messages count a failed delivery attempt."""
         if self._cleaned:
             return
         self._cleaned = True
         for ptr, h in list(self.links.items()):
-            self._detach_handler(ptr, h)
+            self._detach_handler(ptr, h, failed)
         self._sessions.clear()
 
     @property

@@ -30,6 +30,26 @@ from cproton_ffi import ffi, lib
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+REQUIRED = (
+    "pn_collector_peek pn_collector_pop pn_event_type pn_event_delivery pn_event_link "
+    "pn_delivery_link pn_delivery_readable pn_delivery_partial pn_delivery_aborted "
+    "pn_delivery_pending pn_link_recv pn_link_advance pn_delivery pn_link_send "
+    "pn_delivery_settle pn_delivery_update pn_delivery_remote_state pn_delivery_settled "
+    "pn_delivery_remote pn_delivery_local pn_disposition_is_failed "
+    "pn_disposition_is_undeliverable pn_disposition_condition pn_condition_set_name "
+    "pn_condition_set_description pn_link_credit pn_link_get_drain pn_link_drained "
+    "pn_link_flow pn_transport_capacity pn_transport_push pn_transport_pending "
+    "pn_transport_peek pn_transport_pop pn_transport_close_tail pn_transport_close_head "
+    "pn_transport_tick"
+).split()
+
+_missing = [n for n in REQUIRED if not hasattr(lib, n)]
+if _missing:  # pragma: no cover - depends on the installed wheel
+    raise RuntimeError(
+        "the installed python-qpid-proton lacks cffi symbols amqbroker needs "
+        f"({', '.join(_missing)}); install python-qpid-proton==0.40.*"
+    )
+
 PN_DELIVERY: int = lib.PN_DELIVERY
 PN_LINK_FLOW: int = lib.PN_LINK_FLOW
 PN_TRANSPORT: int = lib.PN_TRANSPORT
@@ -38,7 +58,23 @@ PN_REJECTED: int = lib.PN_REJECTED
 PN_RELEASED: int = lib.PN_RELEASED
 PN_MODIFIED: int = lib.PN_MODIFIED
 PN_RECEIVED: int = lib.PN_RECEIVED
-PN_EOS: int = lib.PN_EOS
+
+# Raw per-message primitives. The link adapters bind these as module globals (a global
+# lookup is cheaper than an attribute lookup on every message); nothing outside this
+# package calls them.
+delivery_partial = lib.pn_delivery_partial
+delivery_pending = lib.pn_delivery_pending
+delivery_aborted = lib.pn_delivery_aborted
+delivery_settled = lib.pn_delivery_settled  # remotely settled
+delivery_settle = lib.pn_delivery_settle
+delivery_update = lib.pn_delivery_update
+delivery_remote_state = lib.pn_delivery_remote_state
+new_delivery = lib.pn_delivery
+link_recv = lib.pn_link_recv
+link_send = lib.pn_link_send
+link_advance = lib.pn_link_advance
+link_flow = lib.pn_link_flow
+unpack = ffi.unpack
 
 _peek = lib.pn_collector_peek
 _pop = lib.pn_collector_pop
@@ -81,54 +117,10 @@ _unpack = ffi.unpack
 _from_buffer = ffi.from_buffer
 NULL = ffi.NULL
 
-REQUIRED = (
-    "pn_collector_peek",
-    "pn_collector_pop",
-    "pn_event_type",
-    "pn_event_delivery",
-    "pn_event_link",
-    "pn_delivery_link",
-    "pn_delivery_readable",
-    "pn_delivery_partial",
-    "pn_delivery_aborted",
-    "pn_delivery_pending",
-    "pn_link_recv",
-    "pn_link_advance",
-    "pn_delivery",
-    "pn_link_send",
-    "pn_delivery_settle",
-    "pn_delivery_update",
-    "pn_delivery_remote_state",
-    "pn_delivery_settled",
-    "pn_delivery_remote",
-    "pn_delivery_local",
-    "pn_disposition_is_failed",
-    "pn_disposition_is_undeliverable",
-    "pn_disposition_condition",
-    "pn_condition_set_name",
-    "pn_condition_set_description",
-    "pn_link_credit",
-    "pn_link_get_drain",
-    "pn_link_drained",
-    "pn_link_flow",
-    "pn_transport_capacity",
-    "pn_transport_push",
-    "pn_transport_pending",
-    "pn_transport_peek",
-    "pn_transport_pop",
-    "pn_transport_close_tail",
-    "pn_transport_close_head",
-    "pn_transport_tick",
-)
-
 
 def check_binding() -> None:
-    missing = [n for n in REQUIRED if not hasattr(lib, n)]
-    if missing:
-        raise RuntimeError(
-            "the installed python-qpid-proton lacks cffi symbols amqbroker needs "
-            f"({', '.join(missing)}); install python-qpid-proton==0.40.*"
-        )
+    """Importing this module already verified the binding; kept for the app's start-up
+    check so that a bad wheel fails before any socket is opened."""
 
 
 class LinkHandler(Protocol):
@@ -172,6 +164,10 @@ class RecvBuffer:
         self.size = size
         self.buf = ffi.new("char[]", size)
 
+    def grow(self, n: int) -> None:
+        self.size = n
+        self.buf = ffi.new("char[]", n)
+
     def receive(self, link: Any, d: Any) -> bytes | None:
         """The complete message of delivery `d`, or None while it is partial."""
         if _partial(d) or not _readable(d):
@@ -197,26 +193,24 @@ def remotely_settled(d: Any) -> bool:
     return bool(_remote_settled(d))
 
 
-class Sender:
-    """Sends on one outgoing link: tags from a 32-bit counter in a reused buffer."""
+class Tagger:
+    """Delivery tags for one outgoing link: a 4-byte counter in a reused buffer, passed
+    as one prebuilt pn_bytes_t (tags must be unique among the link's unsettled
+    deliveries; 2**32 outstanding deliveries cannot happen)."""
 
-    __slots__ = ("link", "tagc", "tagp")
+    __slots__ = ("_bytes", "_ptr", "n", "tag")
 
-    def __init__(self, link: Any) -> None:
-        self.link = link
-        self.tagp = ffi.new("uint32_t *")
-        self.tagc = ffi.cast("char *", self.tagp)
+    def __init__(self) -> None:
+        self._ptr = ffi.new("uint32_t *")
+        self._bytes = ffi.new("pn_bytes_t *", (4, ffi.cast("char *", self._ptr)))
+        #: pass to new_delivery(link, tag) after `next()`
+        self.tag = self._bytes[0]
+        self.n = 0
 
-    def send(self, data: bytes, settle: bool) -> Any:
-        tagp = self.tagp
-        tagp[0] = (tagp[0] + 1) & 0xFFFFFFFF
-        link = self.link
-        d = _delivery(link, (4, self.tagc))
-        _send(link, data, len(data))
-        _advance(link)
-        if settle:
-            _settle(d)
-        return d
+    def next(self) -> Any:
+        n = self.n = (self.n + 1) & 0xFFFFFFFF
+        self._ptr[0] = n
+        return self.tag
 
 
 def settle(d: Any) -> None:

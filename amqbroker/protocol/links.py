@@ -30,6 +30,19 @@ from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError
 from amqbroker.core.queue import Queue
 from amqbroker.protocol import fastpath as fp
+from amqbroker.protocol.fastpath import (
+    PN_ACCEPTED,
+    delivery_partial,
+    delivery_pending,
+    delivery_settle,
+    delivery_settled,
+    delivery_update,
+    link_advance,
+    link_recv,
+    link_send,
+    new_delivery,
+    unpack,
+)
 from amqbroker.protocol.scanner import (
     ScanError,
     add_application_property,
@@ -57,7 +70,7 @@ class SyncTracker:
 
 
 class ConsumerLink(Consumer):
-    __slots__ = ("conn", "link", "ptr", "sender", "temporary_queue", "unsettled")
+    __slots__ = ("conn", "link", "ptr", "tagger", "temporary_queue", "unsettled")
 
     def __init__(
         self,
@@ -78,7 +91,7 @@ class ConsumerLink(Consumer):
         self.conn = conn
         self.link = link
         self.ptr = link._impl
-        self.sender = fp.Sender(self.ptr)
+        self.tagger = fp.Tagger()
         self.unsettled: dict[Any, Entry] = {}
         #: the queue is a dynamic node owned by this link (deleted on close)
         self.temporary_queue = temporary_queue
@@ -92,11 +105,17 @@ class ConsumerLink(Consumer):
             q = self.queue
             if q is not None and q.first_key:
                 data = add_application_property(data, q.first_key, True)
-        d = self.sender.send(data, self.presettled)
-        if not self.presettled:
+        ptr = self.ptr
+        d = new_delivery(ptr, self.tagger.next())
+        n = len(data)
+        link_send(ptr, data, n)
+        link_advance(ptr)
+        if self.presettled:
+            delivery_settle(d)
+        else:
             self.unsettled[d] = entry
         conn = self.conn
-        conn.out_pending += len(data)
+        conn.out_pending += n
         if not conn.dirty:
             conn.mark_dirty()
         if conn.out_pending > conn.high_water and not conn.output_blocked:
@@ -146,13 +165,14 @@ class ConsumerLink(Consumer):
         if not self.conn.dirty:
             self.conn.mark_dirty()
 
-    def detach(self, broker: Broker) -> None:
-        """Return unsettled messages, leave the queue, drop a dynamic queue."""
+    def detach(self, broker: Broker, failed: bool = False) -> None:
+        """Return unsettled messages (counted as failed attempts when the connection
+        was lost), leave the queue, drop a dynamic queue."""
         q = self.queue
         unsettled = list(self.unsettled.values())
         self.unsettled.clear()
         if q is not None:
-            q.remove_consumer(self, unsettled)
+            q.remove_consumer(self, unsettled, failed=failed)
             if self.temporary_queue and not q.deleted:
                 broker.delete_queue(q)
 
@@ -232,8 +252,11 @@ class ProducerLink:
         pass
 
     def on_delivery(self, d: Any) -> None:
-        if fp._partial(d):
-            if fp._pending(d) > self.max_size:
+        """One transfer from the producer (the hot path: keep it lean)."""
+        ptr = self.ptr
+        n = delivery_pending(d)
+        if delivery_partial(d):
+            if n > self.max_size:
                 self.conn.detach_producer(
                     self,
                     "amqp:link:message-size-exceeded",
@@ -241,20 +264,20 @@ class ProducerLink:
                     "(max_message_size); send smaller messages",
                 )
             elif fp.aborted(d):
-                fp.settle(d)
+                delivery_settle(d)
             return
-        data = self.rbuf.receive(self.ptr, d)
-        if data is None:
-            if fp.aborted(d):
-                fp.settle(d)
-            return
+        rb = self.rbuf
+        if n > rb.size:
+            rb.grow(n)
+        got = link_recv(ptr, rb.buf, n)
+        link_advance(ptr)
         self.credit -= 1
-        presettled = fp.remotely_settled(d)
-        try:
-            self._route(d, data, presettled)
-        finally:
-            if self.credit <= self.window >> 1 and not self.blocked:
-                self._top_up()
+        if got < 0:  # aborted, or nothing to read
+            delivery_settle(d)
+        else:
+            self._route(d, unpack(rb.buf, got), bool(delivery_settled(d)))
+        if self.credit <= self.window >> 1 and not self.blocked:
+            self._top_up()
 
     def _route(self, d: Any, data: bytes, presettled: bool) -> None:
         if len(data) > self.max_size:
@@ -290,17 +313,26 @@ class ProducerLink:
             if abs_exp and (not expiry or abs_exp < expiry):
                 expiry = abs_exp
             e = Entry(data, durable, prio if prio < 10 else 9, expiry, dc, gid, gseq)
-            result = broker.route(a, e)
+            qs = a.queues
+            if len(qs) == 1 and (a.max_size < 0 or a.full_policy != "FAIL"):
+                # the common case, without the generic router
+                q = qs[0]
+                q.enqueue(e)
+                broker.routed += 1
+                sync = q.durable and durable
+            else:
+                sync = broker.route(a, e) == ROUTED_SYNC
         except BrokerError as exc:
             self._refuse(d, presettled, exc.condition, exc.description)
             return
         if presettled:
-            fp.settle(d)
-        elif result == ROUTED_SYNC and self.sync is not None:
+            delivery_settle(d)
+        elif sync and self.sync is not None:
             self.waiting.append((d, self.sync.ticket()))
             self.sync.waiters.add(self)
         else:
-            fp.accept(d)
+            delivery_update(d, PN_ACCEPTED)
+            delivery_settle(d)
         # anonymous relay: block the link on a full target until it drains
         if self.address is None and a.full and a.full_policy != "FAIL" and not self.blocked:
             self.blocked = True
@@ -326,7 +358,7 @@ class ProducerLink:
         if n and not self.conn.dirty:
             self.conn.mark_dirty()
 
-    def detach(self, broker: Broker) -> None:
+    def detach(self, broker: Broker, failed: bool = False) -> None:
         self.closed = True
         if self.sync is not None:
             self.sync.waiters.discard(self)

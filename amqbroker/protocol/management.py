@@ -160,5 +160,5 @@ class ManagementLink:
         fp.accept(d)
         self.conn.mark_dirty()
 
-    def detach(self, broker: Broker) -> None:
+    def detach(self, broker: Broker, failed: bool = False) -> None:
         pass

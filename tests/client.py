@@ -106,10 +106,7 @@ class _Link:
     async def detach(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.link.detach()
         await self.client._flush()
-        await self.client._wait(
-            lambda: self.link.state & Endpoint.REMOTE_CLOSED or self.link.remote_state == 0,
-            timeout,
-        )
+        await self.client._wait(lambda: not self.link.state & Endpoint.REMOTE_ACTIVE, timeout)
 
     @property
     def closed_by_peer(self) -> bool:
@@ -231,6 +228,7 @@ class Client:
         self._dead = False
         self._session: Any = None
         self._send_lock = trio.Lock()
+        self._tick_lot = trio.lowlevel.ParkingLot()
 
     @classmethod
     async def connect(
@@ -248,6 +246,7 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
     ) -> Client:
         sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
         await sock.connect((host, port))
         conn = Connection()
         if container:
@@ -411,17 +410,25 @@ class Client:
                     self._process()
                     self._signal()
                     return
-                self.transport.push(data)
+                while data:
+                    cap = self.transport.capacity()
+                    if cap <= 0:
+                        break
+                    self.transport.push(data[:cap])
+                    data = data[cap:]
+                    self._process()
+                self._tick_lot.unpark_all()  # input can move the idle deadline
                 await self._flush()
         finally:
             self._dead = True
 
     async def _ticker(self) -> None:
+        # proton's Python Transport.tick takes and returns seconds
         while not self._dead:
-            nxt = self.transport.tick(int(trio.current_time() * 1000))
+            nxt = self.transport.tick(trio.current_time())
             await self._flush()
-            with trio.move_on_at(nxt / 1000.0 if nxt else math.inf):
-                await trio.sleep_forever()
+            with trio.move_on_at(nxt if nxt else math.inf):
+                await self._tick_lot.park()
 
     async def _wait(self, cond: Any, timeout: float) -> None:
         with trio.fail_after(timeout):

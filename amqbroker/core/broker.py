@@ -57,7 +57,7 @@ class Broker:
         self.settings_repo = address_settings or AddressSettingsRepository({})
         self.store: Persistence = persistence or NoPersistence()
         self.clock = clock
-        self.timers = timers or Timers()
+        self.timers = timers if timers is not None else Timers()
         self.codec: MessageCodec = codec or PlainCodec()
         self.dispatch_batch = dispatch_batch
         self.temporary_queue_prefix = temporary_queue_prefix

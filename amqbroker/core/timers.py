@@ -63,5 +63,7 @@ class Timers:
             t.callback()
         return ran
 
-    def __len__(self) -> int:
+    def pending(self) -> int:
+        """Timers scheduled and not cancelled (not `__len__`: an empty Timers must
+        not be falsy)."""
         return sum(1 for _, _, t in self._heap if not t.cancelled)

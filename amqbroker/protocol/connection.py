@@ -390,11 +390,14 @@ class AmqpConnection:
             err.condition,
             err.description,
         )
-        # attach with a null source/target, then detach with the error
+        # attach with a null source/target, then detach with the error (Qpid JMS
+        # turns this into InvalidDestinationException)
         if link.is_sender:
             link.target.copy(link.remote_target)
+            link.source.type = Terminus.UNSPECIFIED
         else:
             link.source.copy(link.remote_source)
+            link.target.type = Terminus.UNSPECIFIED
         link.open()
         link.condition = Condition(err.condition, err.description)
         link.close()

@@ -67,3 +67,14 @@ async def connect(port: int, nursery: trio.Nursery) -> AsyncIterator[ConnectFact
     yield _connect
     for c in clients:
         c.abort()
+
+
+async def wait_idle(app: BrokerApp, timeout: float = 5.0) -> dict[str, int]:
+    """Wait (bounded) until every per-connection / per-link registry of the broker is
+    empty, i.e. it has processed the clients' goodbyes; returns the sizes."""
+    with trio.move_on_after(timeout):
+        while any(app.registry_sizes().values()):
+            # a driver ending is what usually lags; re-check at least every 10 ms
+            with trio.move_on_after(0.01):
+                await app.hub.drivers_changed.park()
+    return app.registry_sizes()

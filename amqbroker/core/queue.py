@@ -531,7 +531,13 @@ class Queue:
                     self._clock() + d / 1000.0, self._gate_deadline
                 )
         self._retry_unmatched()
-        self.dispatch()
+        if c.credit > 0:
+            self.dispatch()
+        else:
+            # Its credit usually arrives in the same input batch as the attach:
+            # dispatching now would bind groups (rebalance, a gate just opened)
+            # before the new consumer can take any. Run after the batch instead.
+            self._host.schedule_dispatch(self)
 
     def remove_consumer(
         self, c: Consumer, unsettled: Iterable[Entry] = (), *, failed: bool = True

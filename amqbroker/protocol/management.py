@@ -153,7 +153,7 @@ class ManagementLink:
         reply.address = request.reply_to
         try:
             a = self.node.broker.address_for_relay(request.reply_to)
-            self.node.broker.route(a, Entry(reply.encode()))
+            self.node.broker.route(a, Entry(bytes(reply.encode())))
         except BrokerError as exc:
             fp.reject(d, exc.condition, f"cannot deliver the answer: {exc.description}")
             return

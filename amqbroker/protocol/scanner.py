@@ -56,8 +56,18 @@ What is validated
   the end of the data;
 * a string it actually reads (to, group-id, the fallback group id) is not UTF-8.
 
+A message without a body section is accepted (proton encodes an empty Message as just
+header and properties).
+
 Fields read with an unexpected type (say a priority encoded as an int, or a symbol
-group-id) are treated as absent, exactly like proton-c does. Parts that the scan skips
+group-id) are treated as absent, exactly like proton-c does.
+
+Group fallback: when properties.group-id is absent/null and ``app_fallback`` is set,
+the group id is the first *string* application property of JMSXGroupID, then
+_AMQ_GROUP_ID; likewise an absent group-sequence comes from JMSXGroupSeq, then
+_AMQ_GROUP_SEQUENCE (any integral type, folded to signed 32 bits). Application
+properties are only walked when a fallback is needed and the raw section contains
+one of the key names (a substring test in C). Parts that the scan skips
 by size (annotation entries, unread list fields, the body content) are not looked
 inside: the slow-path helpers walk the section they modify and may raise `ScanError`
 for a malformation inside it that `scan` did not look at.
@@ -180,8 +190,6 @@ _I64 = struct.Struct(">q").unpack_from
 _PACK_U32 = struct.Struct(">I").pack
 _PACK_U32x2 = struct.Struct(">II").pack
 _PACK_Q = struct.Struct(">q").pack
-
-_NULLS5 = b"\x40" * 5
 
 _JMSX_GROUP_ID = b"JMSXGroupID"
 _JMSX_GROUP_SEQ = b"JMSXGroupSeq"
@@ -354,7 +362,7 @@ def _integral(data: bytes, q: int) -> int | None:
         return 0
     if c in {0x70, 0x71}:
         v = int(_U32(data, q + 1)[0])
-        return v - 0x100000000 if c == 0x71 and v & 0x80000000 else int(v)
+        return v - 0x100000000 if c == 0x71 and v & 0x80000000 else v
     if c in {0x60, 0x61}:
         v = (data[q + 1] << 8) | data[q + 2]
         return v - 0x10000 if c == 0x61 and v & 0x8000 else v
@@ -914,21 +922,18 @@ def _splice_map(
     run_start = -1  # start of the current run of kept entries
     run_end = -1
     kept = 0
-    try:
-        for i in range(0, len(elements), 2):
-            ks = elements[i][0]
-            ve = elements[i + 1][1]
-            if _key_bytes(data, ks) in replaced:
-                continue
-            kept += 1
-            if ks == run_end:
-                run_end = ve
-            else:
-                if run_start >= 0:
-                    parts.append(data[run_start:run_end])
-                run_start, run_end = ks, ve
-    except (IndexError, struct.error):
-        raise ScanError(f"map at offset {v} overruns its size") from None
+    for i in range(0, len(elements), 2):
+        ks = elements[i][0]
+        ve = elements[i + 1][1]
+        if _key_bytes(data, ks) in replaced:
+            continue
+        kept += 1
+        if ks == run_end:
+            run_end = ve  # extends the current run: copied as one slice
+        else:
+            if run_start >= 0:
+                parts.append(data[run_start:run_end])
+            run_start, run_end = ks, ve
     if run_start >= 0:
         parts.append(data[run_start:run_end])
     parts.append(new_body)
@@ -969,9 +974,13 @@ def add_message_annotations(
     """Copy of `data` with `annotations` added to the message-annotations.
 
     Keys are encoded as AMQP symbols (ASCII); values: str -> string, bool -> boolean,
-    int -> long, None -> null. An existing entry with the same key is replaced; all
-    other entries are copied byte-for-byte. The section is created (after header and
-    delivery-annotations) when absent."""
+    int -> long (as smalllong when it fits a byte), None -> null. New entries go after
+    the existing ones. An existing entry whose key (symbol, or string) has the same text
+    is removed; all other entries are copied byte-for-byte and only the map's size/count
+    prefix is rewritten (map8 becomes map32 when needed; map32 stays map32). The section
+    is created (after header and delivery-annotations, before properties) when absent.
+    Raises ScanError for a malformed message, UnicodeEncodeError for a non-ASCII key
+    and ValueError for an int outside the long range."""
     new: list[tuple[bytes, bytes]] = []
     for k, val in annotations.items():
         raw = k.encode("ascii")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from proton import Delivery, Message
 
 from amqbroker.app import BrokerApp
-from tests.conftest import ConnectFactory
+from tests.conftest import ConnectFactory, wait_idle
 
 
 async def test_send_then_receive_in_order(connect: ConnectFactory) -> None:
@@ -44,5 +44,5 @@ async def test_registries_empty_after_clients_leave(
     await c.close()
     c2 = await connect()
     await c2.close()
-    sizes = broker.registry_sizes()
+    sizes = await wait_idle(broker)
     assert sizes == {k: 0 for k in sizes}, sizes

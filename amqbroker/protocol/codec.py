@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from amqbroker.core.codec import Annotation
 from amqbroker.protocol import scanner
 
+log = logging.getLogger(__name__)
+
 
 class ScannerCodec:
     def annotate(self, data: bytes, annotations: Mapping[str, Annotation]) -> bytes:
-        return scanner.add_message_annotations(data, annotations)
+        try:
+            return scanner.add_message_annotations(data, annotations)
+        except scanner.ScanError as exc:
+            log.warning("cannot annotate a message (%s); it is moved as received", exc)
+            return data
 
     def message_id(self, data: bytes) -> object:
         try:

@@ -104,7 +104,19 @@ class ConsumerLink(Consumer):
         if first:
             q = self.queue
             if q is not None and q.first_key:
-                data = add_application_property(data, q.first_key, True)
+                try:
+                    data = add_application_property(data, q.first_key, True)
+                except ScanError as exc:
+                    # scan() does not read application-properties unless it needs the
+                    # group fallback: a malformed map shows up only here. Deliver the
+                    # message as received rather than fail the connection.
+                    log.warning(
+                        "queue %r: cannot add %s to message seq %d (%s); delivered as is",
+                        q.name,
+                        q.first_key,
+                        entry.seq,
+                        exc,
+                    )
         ptr = self.ptr
         d = new_delivery(ptr, self.tagger.next())
         n = len(data)

@@ -68,9 +68,11 @@ _AMQ_GROUP_ID; likewise an absent group-sequence comes from JMSXGroupSeq, then
 _AMQ_GROUP_SEQUENCE (any integral type, folded to signed 32 bits). Application
 properties are only walked when a fallback is needed and the raw section contains
 one of the key names (a substring test in C). Parts that the scan skips
-by size (annotation entries, unread list fields, the body content) are not looked
-inside: the slow-path helpers walk the section they modify and may raise `ScanError`
-for a malformation inside it that `scan` did not look at.
+by size (annotation and application-properties entries, the properties fields after
+group-sequence, the body content) are not looked inside: the map splices walk the map
+they modify and may raise `ScanError` for a malformation inside it that `scan` did not
+look at. Every header field is framed, so `set_delivery_count` never fails on a message
+`scan` accepted.
 
 Truncated or corrupt input never raises anything but `ScanError` (no IndexError,
 struct.error or UnicodeDecodeError escapes), and no input can cause deep recursion:
@@ -191,10 +193,13 @@ _PACK_U32 = struct.Struct(">I").pack
 _PACK_U32x2 = struct.Struct(">II").pack
 _PACK_Q = struct.Struct(">q").pack
 
-_JMSX_GROUP_ID = b"JMSXGroupID"
-_JMSX_GROUP_SEQ = b"JMSXGroupSeq"
-_AMQ_GROUP_ID = b"_AMQ_GROUP_ID"
-_AMQ_GROUP_SEQUENCE = b"_AMQ_GROUP_SEQUENCE"
+# application properties of the group fallback, in order of precedence
+_GROUP_KEYS = {
+    b"JMSXGroupID": 0,
+    b"_AMQ_GROUP_ID": 1,
+    b"JMSXGroupSeq": 2,
+    b"_AMQ_GROUP_SEQUENCE": 3,
+}
 
 _LIST_SHAPES = frozenset((0x40, 0x45, 0xC0, 0xD0))
 _MAP_SHAPES = frozenset((0x40, 0xC1, 0xD1))
@@ -401,10 +406,8 @@ def _app_group(data: bytes, p: int) -> tuple[str | None, str | None, int | None,
         return None, None, None, None
     if cnt & 1:
         raise ScanError(f"application-properties map at offset {p} has an odd count {cnt}")
-    jid: str | None = None
-    aid: str | None = None
-    jseq: int | None = None
-    aseq: int | None = None
+    ids: list[str | None] = [None, None]  # JMSXGroupID, _AMQ_GROUP_ID
+    seqs: list[int | None] = [None, None]  # JMSXGroupSeq, _AMQ_GROUP_SEQUENCE
     for _ in range(cnt >> 1):
         if q >= end:
             break
@@ -420,24 +423,18 @@ def _app_group(data: bytes, p: int) -> tuple[str | None, str | None, int | None,
             continue
         if q > end:
             break
-        key = data[ks:q]
-        if key == _JMSX_GROUP_ID:
-            if jid is None:
-                jid = _string_at(data, q)
-        elif key == _AMQ_GROUP_ID:
-            if aid is None:
-                aid = _string_at(data, q)
-        elif key == _JMSX_GROUP_SEQ:
-            if jseq is None:
+        i = _GROUP_KEYS.get(data[ks:q])
+        if i is not None:
+            if i < 2:
+                if ids[i] is None:
+                    ids[i] = _string_at(data, q)
+            elif seqs[i - 2] is None:
                 v = _integral(data, q)
-                jseq = None if v is None else _low32(v)
-        elif key == _AMQ_GROUP_SEQUENCE and aseq is None:
-            v = _integral(data, q)
-            aseq = None if v is None else _low32(v)
+                seqs[i - 2] = None if v is None else _low32(v)
         q = _skip(data, q)
     if q > end:
         raise ScanError(f"application-properties map at offset {p} overruns its size")
-    return jid, aid, jseq, aseq
+    return ids[0], ids[1], seqs[0], seqs[1]
 
 
 # --------------------------------------------------------------------------- scan
@@ -557,6 +554,10 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
                                         q += 1
                                     else:
                                         q = _skip(data, q)
+                                    if cnt > 5:
+                                        # fields from a later AMQP version: framed too, so
+                                        # set_delivery_count can copy every field
+                                        q = _skip(data, q, cnt - 5)
                 if q > end:
                     raise ScanError(f"header list at offset {start} overruns its size")
                 p = end
@@ -949,9 +950,10 @@ def _splice_map(
 def set_delivery_count(data: bytes, count: int) -> bytes:
     """Copy of `data` whose header says delivery-count=`count`.
 
-    Only the header section is re-encoded (durable, priority, ttl and first-acquirer keep
-    their original encodings); a header is inserted at the front when there is none.
-    Every other byte is copied unchanged."""
+    Only the header section is re-encoded (durable, priority, ttl, first-acquirer and any
+    later fields keep their original encodings); a header is inserted at the front when
+    there is none. Every other byte is copied unchanged. Never raises ScanError for a
+    message that `scan` accepted (scan frames every header field)."""
     if not 0 <= count <= 0xFFFFFFFF:
         raise ValueError(f"delivery-count {count} is not a uint")
     sections = _sections(data)
@@ -992,7 +994,9 @@ def add_application_property(data: bytes, key: str, value: bool) -> bytes:
     """Copy of `data` with application property `key` (an AMQP string) set to `value`.
 
     Same splice rule as `add_message_annotations`; the section is created right before
-    the body when absent."""
+    the body when absent. Walks the existing map, so it raises ScanError for a map
+    whose entries are malformed even when `scan` accepted the message (scan does not
+    look inside application-properties unless it needs the group fallback)."""
     raw = key.encode()
     return _splice_map(
         data, _APPLICATION_PROPERTIES, [(raw, _enc_var(0xA1, 0xB1, raw) + _enc_value(value))]
@@ -1042,22 +1046,23 @@ def _decode(data: bytes, p: int, end: int) -> object:
 
 
 def message_id(data: bytes) -> str | int | bytes | uuid.UUID | None:
-    """properties.message-id (string, ulong, binary or uuid), None when absent."""
+    """properties.message-id (string, ulong, binary or uuid), None when absent.
+
+    Other integral encodings come back as int too; any other type raises ScanError.
+    Only the first field of the properties list is read."""
     sec = _find(_sections(data), _PROPERTIES)
     if sec is None:
         return None
-    v, end = sec[2], sec[3]
-    fields = _elements(data, v)
-    if not fields:
+    cnt, p, end = _compound(data, sec[2])
+    if not cnt:
         return None
-    p = fields[0][0]
     c = data[p]
     try:
         value = _decode(data, p, end)
     except UnicodeDecodeError:
         raise ScanError(f"invalid UTF-8 in the message-id at offset {p}") from None
-    except (IndexError, struct.error):  # pragma: no cover - _elements framed it
-        raise ScanError(f"truncated message-id at offset {p}") from None
+    except (IndexError, struct.error):
+        raise ScanError(f"the message-id at offset {p} overruns the properties") from None
     if value is None:
         return None
     if isinstance(value, (str, bytes, uuid.UUID)) and (

@@ -36,6 +36,7 @@ Invariants (checked by the property-based tests):
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import logging
 from collections import deque
@@ -55,6 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEVELS = 10
+
+#: group_seq of a closing message (-1) once its close has taken effect: if it is
+#: redelivered it neither binds nor unbinds (a newer instance of the group may be bound
+#: by then). Outside the int32 range, so no sender can produce it.
+SPENT_CLOSE = -(1 << 40)
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,9 @@ class Queue:
         self._pause_timer: Timer | None = None
         self._delayed: set[Timer] = set()
         self._stuck_groups = 0
+        self._delivered = 0
+        #: owner-less groups created because no consumer accepted their first message
+        self._orphans: dict[Any, Group] = {}
         #: messages held (main + parked + unmatched + delayed + in flight)
         self.count = 0
         self.bytes = 0
@@ -270,11 +279,27 @@ class Queue:
             dq.insert(i, e)
 
     def _merge_main(self, entries: list[Entry]) -> None:
-        """Put back several messages at their positions (cheap when they are older
-        than everything queued, which is the usual case)."""
-        entries.sort(key=_seq_desc)
+        """Put back several messages at their seq positions: O(k log k) when they are
+        all older than what is queued (the usual case), O(n + k log k) otherwise."""
+        if not entries:
+            return
+        if len(entries) == 1:
+            self._insert_main(entries[0])
+            return
+        by_level: dict[int, list[Entry]] = {}
         for e in entries:
-            self._insert_main(e)
+            by_level.setdefault(e.priority, []).append(e)
+        for p, es in by_level.items():
+            es.sort(key=_seq)
+            dq = self._levels[p]
+            if not dq or es[-1].seq < dq[0].seq:
+                dq.extendleft(reversed(es))
+            elif es[0].seq > dq[-1].seq:
+                dq.extend(es)
+            else:
+                self._levels[p] = deque(heapq.merge(dq, es, key=_seq))
+            self._main += len(es)
+            self._top = max(self._top, p)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self) -> None:
@@ -357,11 +382,15 @@ class Queue:
                     g = Group(key, None, self._clock())
                     groups[key] = g
                     g.parked = deque((e,))
-                    self._unmatched_group(g)
+                    self._orphans[key] = g
+                    self._retry_unmatched_on_credit = True
                     continue
                 dq.popleft()
                 self._main -= 1
-                if e.group_seq == -1:
+                gs = e.group_seq
+                if gs in (-1, SPENT_CLOSE) and key is not EXCLUSIVE:
+                    # a closing message of an unbound group: no binding, no flag
+                    e.group_seq = SPENT_CLOSE
                     self._deliver(c, e, False)
                 else:
                     self._bind(key, c)
@@ -392,7 +421,8 @@ class Queue:
             dq.popleft()
             self._main -= 1
             self._deliver(o, e, False)
-            if e.group_seq == -1:
+            if e.group_seq == -1 and key is not EXCLUSIVE:
+                e.group_seq = SPENT_CLOSE
                 self._unbind(g)
         if self._main:
             self._host.schedule_dispatch(self)
@@ -450,6 +480,8 @@ class Queue:
 
     def _deliver(self, c: Consumer, e: Entry, first: bool) -> None:
         c.credit -= 1
+        self._delivered += 1
+        c.last_delivery = self._delivered  # least-loaded tie-break: least recently served
         if c.presettled:
             c.deliver(e, first)
             self._remove(e)
@@ -465,8 +497,9 @@ class Queue:
         c.bound[key] = g
         return g
 
-    def _unbind(self, g: Group) -> None:
-        """Release a group's binding; its parked messages go back to the main order."""
+    def _unbind(self, g: Group, collect: list[Entry] | None = None) -> None:
+        """Release a group's binding; its parked messages go back to the main order
+        (or into `collect`, for one merge after a bulk release)."""
         o = g.owner
         if o is not None:
             o.bound.pop(g.key, None)
@@ -484,7 +517,10 @@ class Queue:
         if g.parked:
             parked = list(g.parked)
             g.parked = None
-            self._merge_main(parked)
+            if collect is not None:
+                collect.extend(parked)
+            else:
+                self._merge_main(parked)
 
     def _report_stuck(self, g: Group, e: Entry) -> None:
         if g.stuck:
@@ -645,7 +681,8 @@ class Queue:
                     break
                 q.popleft()
                 self._deliver(c, e, False)
-                if e.group_seq == -1:
+                if e.group_seq == -1 and g.key is not EXCLUSIVE:
+                    e.group_seq = SPENT_CLOSE
                     g.waiting = False
                     pg.popleft()
                     g.parked = q if q else None
@@ -658,10 +695,15 @@ class Queue:
                     pg.popleft()
 
     def _resume_group(self, g: Group) -> None:
-        """A held group's delayed message is back: let the group go again."""
+        """A group may move again (its delayed message is back, or its stuck head
+        expired): an owner gets its parked messages, an owner-less group goes back
+        to the main order to be bound afresh."""
         o = g.owner
         if o is None:
+            if g.held:
+                return
             del self._groups[g.key]
+            self._orphans.pop(g.key, None)
             if g.parked:
                 parked = list(g.parked)
                 g.parked = None
@@ -717,9 +759,19 @@ class Queue:
                 g = self._groups.get(e.gkey)
         delay = self._policy.redelivery_delay if delivery_failed else 0
         if delay > 0:
-            if g is not None:
-                g.held += 1
-            t = self._timers.call_at(self._clock() + delay / 1000.0, lambda: self._undelay(e, t))
+            # hold the group (bound or not) until this message is back: later messages
+            # of the group must not overtake it (GROUPING 3.9 a)
+            hg = None
+            if e.gkey is not None:
+                hg = g
+                if hg is None:
+                    hg = Group(e.gkey, None, self._clock())
+                    self._groups[e.gkey] = hg
+                    self._orphans.pop(e.gkey, None)
+                hg.held += 1
+            t = self._timers.call_at(
+                self._clock() + delay / 1000.0, lambda: self._undelay(e, hg, t)
+            )
             self._delayed.add(t)
         elif g is not None and (g.parked is not None or g.held):
             self._insert_parked(g, e)
@@ -728,16 +780,16 @@ class Queue:
         else:
             self._insert_main(e)
         self._check_pause()
-        if self._undeliverable:
+        if self._undeliverable and (self._unmatched or self._orphans):
             self._retry_unmatched_on_credit = True
         self.dispatch()
 
-    def _undelay(self, e: Entry, t: Timer) -> None:
+    def _undelay(self, e: Entry, g: Group | None, t: Timer) -> None:
         self._delayed.discard(t)
         if self.deleted:
             return
-        g = self._groups.get(e.gkey) if e.gkey is not None else None
-        if g is not None and g.held:
+        if g is not None and self._groups.get(g.key) is g and g.held:
+            # release exactly the hold this message took
             self._insert_parked(g, e)
             g.held -= 1
             if not g.held:
@@ -801,9 +853,6 @@ class Queue:
         self._unmatched.append(e)
         self._retry_unmatched_on_credit = True
 
-    def _unmatched_group(self, g: Group) -> None:
-        self._retry_unmatched_on_credit = True
-
     def _retry_unmatched(self) -> None:
         """Give unmatched messages and owner-less groups another chance (after a
         consumer change, or credit when a busy consumer might take them)."""
@@ -812,11 +861,16 @@ class Queue:
         if self._unmatched:
             back.extend(self._unmatched)
             self._unmatched.clear()
-        for g in [g for g in self._groups.values() if g.owner is None and not g.held]:
-            del self._groups[g.key]
-            if g.parked:
-                back.extend(g.parked)
-                g.parked = None
+        if self._orphans:
+            orphans = list(self._orphans.values())
+            self._orphans.clear()
+            for g in orphans:
+                if self._groups.get(g.key) is not g or g.owner is not None or g.held:
+                    continue
+                del self._groups[g.key]
+                if g.parked:
+                    back.extend(g.parked)
+                    g.parked = None
         if back:
             self._merge_main(back)
 
@@ -894,8 +948,10 @@ class Queue:
 
     def reset_all_groups(self, *, dispatch: bool = True) -> int:
         bound = [g for g in self._groups.values() if g.owner is not None]
+        back: list[Entry] = []
         for g in bound:
-            self._unbind(g)
+            self._unbind(g, back)
+        self._merge_main(back)
         if dispatch:
             self.dispatch()
         return len(bound)
@@ -955,11 +1011,13 @@ class Queue:
                 expired.extend(e for e in dq if e.expiry and e.expiry <= now_ms)
                 self._main -= len(dq) - len(keep)
                 self._levels[i] = keep
+        touched: list[Group] = []
         for g in self._groups.values():
             q = g.parked
             if q and any(e.expiry and e.expiry <= now_ms for e in q):
                 expired.extend(e for e in q if e.expiry and e.expiry <= now_ms)
-                g.parked = deque(e for e in q if not (e.expiry and e.expiry <= now_ms))
+                g.parked = deque(e for e in q if not (e.expiry and e.expiry <= now_ms)) or None
+                touched.append(g)
         if self._unmatched:
             expired.extend(e for e in self._unmatched if e.expiry and e.expiry <= now_ms)
             self._unmatched = deque(
@@ -967,6 +1025,15 @@ class Queue:
             )
         for e in expired:
             self._expire(e)
+        for g in touched:
+            # a stuck head may have expired: the group can move again
+            if g.stuck:
+                g.stuck = False
+                self._stuck_groups -= 1
+            if self._groups.get(g.key) is g:
+                self._resume_group(g)
+        if expired:
+            self.dispatch()
         return len(expired)
 
     def purge(self) -> int:
@@ -1016,8 +1083,8 @@ class Queue:
         return f"<Queue {self.name!r} count={self.count} consumers={self._consumers_n}>"
 
 
-def _seq_desc(e: Entry) -> int:
-    return -e.seq
+def _seq(e: Entry) -> int:
+    return e.seq
 
 
 def _unsettled(c: Consumer) -> Iterable[Entry]:

@@ -63,6 +63,8 @@ class BrokerApp:
         self.recovered_queues = 0
         self._shutdown = trio.Event()
         self._store_lot = trio.lowlevel.ParkingLot()
+        #: one batch at a time: the writer loop and the final flush both commit
+        self._store_lock = trio.Lock()
         self._timer_lot = trio.lowlevel.ParkingLot()
         self._deferred_lot = trio.lowlevel.ParkingLot()
         self._conn_ids = itertools.count(1)
@@ -175,7 +177,9 @@ class BrokerApp:
                 if s.expiry_scan_period > 0:
                     root.start_soon(self._expiry_loop)
                 if handle_signals:
-                    root.start_soon(self._signal_loop)
+                    # installed before we report ready: a signal right after the
+                    # "listening" line must already stop the broker gracefully
+                    await root.start(self._signal_loop)
                 async with trio.open_nursery() as conns:
                     self._conn_nursery = conns
                     async with trio.open_nursery() as accepting:
@@ -206,8 +210,11 @@ class BrokerApp:
     def request_shutdown(self) -> None:
         self._shutdown.set()
 
-    async def _signal_loop(self) -> None:
+    async def _signal_loop(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
             async for signum in signals:
                 if self._shutdown.is_set():
                     log.warning("second signal: stopping now")
@@ -240,7 +247,13 @@ class BrokerApp:
             management=self.management,
             on_dirty=self.hub.on_dirty,
         )
-        driver = Driver(self.hub, conn, sock, read_size=self.settings.read_buffer_size)
+        driver = Driver(
+            self.hub,
+            conn,
+            sock,
+            read_size=self.settings.read_buffer_size,
+            handshake_timeout=self.settings.handshake_timeout,
+        )
         await driver.run()
 
     async def _graceful_close(self, conns: trio.Nursery) -> None:
@@ -265,15 +278,12 @@ class BrokerApp:
         j = self.journal
         assert j is not None
         while True:
-            batch = j.take_batch()
-            if batch is None:
+            if not j.pending:
                 await self._store_lot.park()
                 continue
             try:
-                if self.settings.store_sync:
-                    await trio.to_thread.run_sync(j.write_batch, batch)
-                else:
-                    j.write_batch(batch)  # no fsync: cheap enough for the event loop
+                async with self._store_lock:
+                    await self._commit_one(j)
             except OSError as exc:
                 log.critical(
                     "cannot write the journal in %s: %s; stopping the broker so that no "
@@ -285,27 +295,33 @@ class BrokerApp:
                 self.exit_code = 3
                 self.request_shutdown()
                 return
-            no = j.batch_done(batch)
-            self.sync.synced(no)
-            self.hub.flush()
+
+    async def _commit_one(self, j: Journal) -> bool:
+        """Take, write (+ fsync in a worker thread) and complete one batch; settle
+        the producers that waited for it. False when nothing was buffered."""
+        batch = j.take_batch()
+        if batch is None:
+            return False
+        if self.settings.store_sync:
+            await trio.to_thread.run_sync(j.write_batch, batch)
+        else:
+            j.write_batch(batch)  # no fsync: cheap enough for the event loop
+        no = j.batch_done(batch)
+        self.sync.synced(no)
+        self.hub.flush()
+        return True
 
     async def _final_flush(self) -> None:
         j = self.journal
         if j is None:
             return
-        while True:
-            batch = j.take_batch()
-            if batch is None:
-                return
-            try:
-                await trio.to_thread.run_sync(j.write_batch, batch)
-            except OSError as exc:
-                log.critical("cannot write the final journal batch: %s", exc)
-                self.exit_code = 3
-                return
-            no = j.batch_done(batch)
-            self.sync.synced(no)
-            self.hub.flush()
+        try:
+            async with self._store_lock:
+                while await self._commit_one(j):
+                    pass
+        except OSError as exc:
+            log.critical("cannot write the final journal batch: %s", exc)
+            self.exit_code = 3
 
     def _close_store(self) -> None:
         if self.journal is not None:

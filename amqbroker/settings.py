@@ -227,6 +227,7 @@ class Settings(BaseSettings):
     max_sessions_per_connection: ConfigInt = Field(default=64, ge=1, le=65536)
     max_links_per_connection: ConfigInt = Field(default=1000, ge=1, le=UINT32_MAX)
     idle_timeout: ConfigFloat = Field(default=60.0, ge=0, le=UINT32_MAX // 1000)
+    handshake_timeout: ConfigFloat = Field(default=10.0, gt=0, le=3600)
     max_message_size: ConfigInt = Field(default=100 * MIB, ge=1)
     link_credit: ConfigInt = Field(default=1000, ge=1, le=UINT32_MAX)
     output_high_water: ConfigInt = Field(default=1 * MIB, ge=1)

@@ -280,6 +280,7 @@ class Client:
         )
         if not conn.state & Endpoint.REMOTE_ACTIVE:
             cond = conn.remote_condition or t.condition
+            c.abort()
             raise ClientError(
                 f"connection refused: {cond.name if cond else None}: "
                 f"{cond.description if cond else ''}"

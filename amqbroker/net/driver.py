@@ -73,11 +73,15 @@ class Driver:
         sock: socket.socket,
         *,
         read_size: int = 65536,
+        handshake_timeout: float = 10.0,
     ) -> None:
         self.hub = hub
         self.conn = conn
         self.sock = sock
         self.read_size = read_size
+        self.handshake_timeout = handshake_timeout
+        self._closing = False
+        self._linger_until = math.inf
         self._write_lot = trio.lowlevel.ParkingLot()
         self._tick_lot = trio.lowlevel.ParkingLot()
         self._write_blocked = False
@@ -157,7 +161,7 @@ class Driver:
             out = conn.output()
             if out is None:
                 conn.flushed()
-                self._finish()
+                self._output_finished()
                 return
             if not out:
                 break
@@ -177,6 +181,25 @@ class Driver:
                 break
         conn.flushed()
 
+    def _output_finished(self) -> None:
+        """Our side is done (close frame or SASL failure written): half-close the
+        socket and give the peer `handshake_timeout` to close its side, so unread
+        input does not turn our close into a reset."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.conn.transport_failed:
+            # idle timeout, framing error: the peer is gone or broken, don't wait
+            self._finish()
+            return
+        self._linger_until = trio.current_time() + self.handshake_timeout
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._finish()
+            return
+        self._tick_lot.unpark_all()
+
     def _want_write(self) -> None:
         if not self._write_blocked:
             self._write_blocked = True
@@ -192,14 +215,35 @@ class Driver:
                 self.hub.flush()
 
     async def _ticker(self) -> None:
+        """Heartbeats and idle timeout (Proton's deadlines), the opening handshake
+        deadline, and the close linger."""
         conn = self.conn
-        while True:
-            if self._ticking:
-                deadline = conn.tick(int(trio.current_time() * 1000))
+        handshake_until = trio.current_time() + self.handshake_timeout
+        while not self._done:
+            now = trio.current_time()
+            at = math.inf
+            if self._ticking and not self._closing:
+                deadline = conn.tick(int(now * 1000))
                 self.flush_now()
                 self.hub.flush()
-            else:
-                deadline = 0
-            at = deadline / 1000.0 if deadline else math.inf
+                if deadline:
+                    at = deadline / 1000.0
+            if self._closing:
+                if now >= self._linger_until:
+                    self._finish()
+                    return
+                at = min(at, self._linger_until)
+            elif not conn.opened:
+                if now >= handshake_until:
+                    log.info(
+                        "connection %s from %s: no AMQP open within handshake_timeout "
+                        "(%.1f s); dropped",
+                        conn.conn_id,
+                        conn.peer,
+                        self.handshake_timeout,
+                    )
+                    self._finish()
+                    return
+                at = min(at, handshake_until)
             with trio.move_on_at(at):
                 await self._tick_lot.park()

@@ -201,6 +201,11 @@ class AmqpConnection:
     def opened(self) -> bool:
         return self._opened
 
+    @property
+    def transport_failed(self) -> bool:
+        """Proton ended the transport with an error (idle timeout, framing error)."""
+        return self._sasl is None and self._transport.condition is not None
+
     def process(self) -> None:
         """Handle pending engine events."""
         fp.pump(self._coll, self.links, self._control)

@@ -66,6 +66,7 @@ def test_defaults() -> None:
     assert s.max_sessions_per_connection == 64
     assert s.max_links_per_connection == 1000
     assert s.idle_timeout == 60
+    assert s.handshake_timeout == 10
     assert s.max_message_size == 100 * 1024 * 1024
     assert s.link_credit == 1000
     assert s.output_high_water == 1024 * 1024

@@ -28,7 +28,12 @@ from amqbroker.core.address_settings import (
 )
 from amqbroker.core.codec import MessageCodec, PlainCodec
 from amqbroker.core.entry import Entry
-from amqbroker.core.errors import NotFound, PreconditionFailed, ResourceLimitExceeded
+from amqbroker.core.errors import (
+    InvalidField,
+    NotFound,
+    PreconditionFailed,
+    ResourceLimitExceeded,
+)
 from amqbroker.core.persistence import NoPersistence, Persistence
 from amqbroker.core.queue import Queue, QueuePolicy
 from amqbroker.core.timers import Timers
@@ -39,6 +44,14 @@ log = logging.getLogger(__name__)
 ROUTED = 0
 ROUTED_SYNC = 1  # at least one durable copy: settle the producer after the store syncs
 NO_ROUTE = 2  # multicast address without subscribers: accepted and dropped
+
+
+def _parse(address: str) -> tuple[str, QueueOptions]:
+    """Address name and queue options; a bad option is the client's error."""
+    try:
+        return parse_address_options(address)
+    except ValueError as exc:
+        raise InvalidField(f"bad address {address!r}: {exc}") from exc
 
 
 class Broker:
@@ -125,7 +138,7 @@ class Broker:
 
     def address_for_producer(self, address: str, routing_hint: str | None = None) -> Address:
         """The address a producer link targets, auto-created when settings allow."""
-        name, options = parse_address_options(address)
+        name, options = _parse(address)
         a = self.addresses.get(name)
         if a is None:
             r = self.resolve(name)
@@ -151,7 +164,7 @@ class Broker:
     ) -> Queue:
         """The queue a consumer link reads from. For a multicast address this is a new
         subscription queue, deleted when the consumer goes."""
-        name, options = parse_address_options(address)
+        name, options = _parse(address)
         a = self.addresses.get(name)
         if a is None:
             r = self.resolve(name)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import pytest
 import trio
 from proton import Delivery, Endpoint, Message, symbol
 
 from amqbroker.app import BrokerApp
 from amqbroker.core.queue import Queue
-from tests.client import Client, Sender
+from tests.client import Client, ClientError, Sender
 from tests.conftest import BrokerFactory, ConnectFactory
 
 NO_AUTO_CREATE = {"#": {"auto_create_addresses": False, "auto_create_queues": False}}
@@ -502,3 +503,20 @@ async def test_priority_higher_first_fifo_within_level(
     got = await r.receive_n(len(sent))
     assert [g.body for g in got] == ["p9a", "p9b", "p7", "p4", "p4b", "p1", "p0"]
     assert [g.message.priority for g in got] == [9, 9, 7, 4, 4, 1, 0]
+
+
+async def test_bad_address_option_refuses_only_that_link(
+    broker: BrokerApp, connect: ConnectFactory
+) -> None:
+    """An unknown option in the address string is the client's mistake: that link is
+    refused with amqp:invalid-field and a description naming the option; the
+    connection stays usable."""
+    c = await connect()
+    with pytest.raises(ClientError, match=r"amqp:invalid-field: .*bogus"):
+        await c.receiver("perf?bogus=1", credit=1)
+    with pytest.raises(ClientError, match=r"amqp:invalid-field: .*group-buckets"):
+        await c.sender("perf?group-buckets=notanumber")
+    s = await c.sender("perf")
+    r = await c.receiver("perf", credit=1)
+    await s.send(Message(body="still fine"))
+    assert (await r.receive()).body == "still fine"

@@ -1,0 +1,234 @@
+"""scripts/perf.py: its pure parts, and one short end-to-end run against a real broker.
+
+Nothing here measures or asserts a time: the benchmark's figures are never tested.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from proton import Message
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "perf.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("amqbroker_perf_tool", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+perf = _load()
+
+
+# ------------------------------------------------------------------------ arguments
+
+
+def test_defaults_make_one_custom_run() -> None:
+    args = perf.parse_args([])
+    assert [s.name for s in args.scenarios] == ["custom"]
+    s = args.scenarios[0]
+    assert (s.count, s.size, s.producers, s.consumers, s.groups) == (200_000, 100, 1, 1, 0)
+    assert (args.window, args.credit, args.port) == (1000, 1000, 5672)
+
+
+def test_scenarios_and_explicit_overrides() -> None:
+    args = perf.parse_args(["--scenario", "a,G1K,l", "--count", "5000"])
+    a, g, lat = args.scenarios
+    assert (a.name, a.count, a.consumers, a.groups) == ("A", 5000, 1, 0)
+    assert (g.name, g.count, g.consumers, g.groups) == ("G1K", 5000, 4, 1000)
+    assert (lat.rate, lat.count) == (1000.0, 5000)
+    e = perf.parse_args(["--scenario", "E"]).scenarios[0]
+    assert e.durable and not e.presettled and e.count == 200_000
+    custom = perf.parse_args(["--groups", "10", "--consumers", "2", "--presettled"]).scenarios[0]
+    assert (custom.groups, custom.consumers, custom.presettled) == (10, 2, True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--scenario", "Z"],
+        ["--size", "16"],
+        ["--groups", "1", "--producers", "2"],
+        ["--ceiling", "--scenario", "HOL"],
+        ["--ceiling", "--start-broker"],
+        ["--window", "0"],
+    ],
+)
+def test_bad_arguments_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        perf.parse_args(argv)
+
+
+def test_groups_are_split_in_blocks_between_producers() -> None:
+    segs = perf.producer_segments(10, 5, 2)
+    assert [s[0]["n"] for s in segs] == [5, 5]
+    blocks = [(s[0]["gbase"], s[0]["groups"]) for s in segs]
+    assert blocks == [(0, 3), (3, 2)]  # every group id belongs to exactly one producer
+    assert perf.producer_segments(7, 0, 3) == [[{"n": 3}], [{"n": 2}], [{"n": 2}]]
+
+
+def test_unique_address_keeps_queue_options_after_the_name() -> None:
+    args = perf.parse_args(["--address-prefix", "/queue/"])
+    addr = perf.unique_address(args, "orders?group-buckets=16", "a1")
+    assert addr.startswith("/queue/orders-a1-")
+    assert addr.endswith("?group-buckets=16")
+    assert addr.count("?") == 1
+
+
+def test_strict_setting_is_added_to_existing_address_settings() -> None:
+    table = json.loads(perf.strict_address_settings('{"orders.#": {"max_delivery_attempts": 5}}'))
+    assert table["hol-strict.#"] == {"group_skip_ahead": False}
+    assert table["orders.#"] == {"max_delivery_attempts": 5}
+
+
+# ---------------------------------------------------------------------------- maths
+
+
+def test_percentiles_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert perf.percentile(values, 50) == 50
+    assert perf.percentile(values, 90) == 90
+    assert perf.percentile(values, 99) == 99
+    assert perf.percentile(values, 100) == 100
+    assert perf.percentile([7], 99) == 7
+    assert perf.percentile([], 50) is None
+
+
+def test_latency_summary_in_microseconds() -> None:
+    s = perf.latency_summary([3000, 1000, 2000, 4000])  # ns, unsorted
+    assert s == {"lat_p50_us": 2.0, "lat_p90_us": 4.0, "lat_p99_us": 4.0, "lat_max_us": 4.0}
+    assert perf.latency_summary([])["lat_p99_us"] is None
+
+
+def test_split_evenly() -> None:
+    assert perf.split_evenly(10, 3) == [4, 3, 3]
+    assert sum(perf.split_evenly(1_000_001, 4)) == 1_000_001
+
+
+def _row(broker: str, scenario: str, rate: float, **kw: object) -> dict[str, object]:
+    row: dict[str, object] = {"broker": broker, "scenario": scenario, "msgs_per_s": rate}
+    row.update({"errors": 0, "lat_p99_us": 500.0, "broker_cpu_us_per_msg": 10.0})
+    row.update(kw)
+    return row
+
+
+def test_summary_takes_medians_and_sums_errors() -> None:
+    rows = [_row("b", "A", r) for r in (10.0, 30.0, 20.0)]
+    rows[1]["errors"] = 2
+    (s,) = perf.summarize(rows)
+    assert (s["runs"], s["msgs_per_s"], s["msgs_per_s_min"], s["msgs_per_s_max"]) == (
+        3,
+        20.0,
+        10.0,
+        30.0,
+    )
+    assert s["errors"] == 2
+    assert "| b | A | 3 |" in perf.summary_table([s])
+
+
+def test_report_gives_ratios(tmp_path: Path) -> None:
+    ours, peer = tmp_path / "ours.jsonl", tmp_path / "peer.jsonl"
+    ours.write_text(json.dumps(_row("x", "A", 300.0)) + "\n")
+    peer.write_text(
+        json.dumps(_row("y", "A", 100.0)) + "\n" + json.dumps(_row("y", "L", 1000.0)) + "\n"
+    )
+    table = perf.render_report([f"ours={ours}", f"peer={peer}"])
+    line = next(ln for ln in table.splitlines() if ln.startswith("| A |"))
+    assert "| 3.00 |" in line
+    assert any(ln.startswith("| L | - |") for ln in table.splitlines())
+
+
+# ------------------------------------------------------------------------- encoding
+
+
+@pytest.mark.parametrize(("size", "durable", "group"), [(100, False, None), (300, True, 12345)])
+def test_hand_encoded_message_decodes(size: int, durable: bool, group: int | None) -> None:
+    head = perf.PAYLOAD.pack(perf.MAGIC, 123, 1, 2, group or perf.NO_GROUP, 7)
+    raw = perf.encode_message(head, size, durable=durable, group=group)
+    m = Message()
+    m.decode(raw)
+    assert m.durable is durable
+    assert m.group_id == (None if group is None else f"g{group}")
+    body = bytes(m.body)
+    assert len(body) == size
+    assert raw.endswith(body)  # consumers read the payload from the message's tail
+    assert perf.PAYLOAD.unpack_from(body)[:3] == (perf.MAGIC, 123, 1)
+
+
+# ---------------------------------------------------------------------------- /proc
+
+
+def test_proc_parsers_on_this_process() -> None:
+    pid = os.getpid()
+    with open(f"/proc/{pid}/stat") as f:
+        assert perf.parse_stat_cpu_ticks(f.read()) >= 0
+    assert perf.proc_cpu_seconds(pid) > 0
+    rss = perf.proc_rss_kb(pid)
+    assert rss is not None and rss > 1000
+    assert perf.parse_status_kb("Name:\tx\nVmRSS:\t  4242 kB\n") == 4242
+    assert perf.parse_status_kb("Name:\tx\n") is None
+    assert "python" in perf.proc_cmdline(pid)
+    assert perf.machine_busy_seconds() > 0
+
+
+def test_stat_parser_copes_with_spaces_and_parens_in_the_name() -> None:
+    fields = ["S"] + ["0"] * 10 + ["150", "50"] + ["0"] * 30
+    assert perf.parse_stat_cpu_ticks("42 (a) b (c)) " + " ".join(fields)) == 200
+
+
+def test_listening_socket_is_found_by_port() -> None:
+    text = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+        "timeout inode\n"
+        "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000 0 0 "
+        "777 1 0000000000000000 100 0 0 10 0\n"
+        "   1: 0100007F:1F90 0100007F:D431 01 00000000:00000000 00:00000000 00000000 0 0 "
+        "888 1 0000000000000000 20 4 30 10 -1\n"
+    )
+    assert perf.parse_listen_inodes(text, 8080) == {"777"}
+    assert perf.parse_listen_inodes(text, 8081) == set()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        assert perf.find_pid_by_port(s.getsockname()[1]) == os.getpid()
+
+
+# ------------------------------------------------------------------------ end to end
+
+
+def _perf_json(*argv: str) -> dict[str, object]:
+    cmd = [sys.executable, str(SCRIPT), "--start-broker", "--runs", "1", "--warmup", "0"]
+    p = subprocess.run(
+        [*cmd, "--json", "--timeout", "60", *argv],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert p.returncode == 0 and len(lines) == 1, p.stdout + p.stderr
+    row: dict[str, object] = json.loads(lines[0])
+    return row
+
+
+@pytest.mark.slow
+def test_end_to_end_against_a_started_broker() -> None:
+    a = _perf_json("--scenario", "A", "--count", "2000")
+    assert (a["scenario"], a["received"], a["errors"], a["ok"]) == ("A", 2000, 0, True)
+    assert a["broker_pid"] and a["msgs_per_s"] and a["lat_p99_us"] is not None
+
+    g = _perf_json("--count", "2000", "--groups", "10", "--consumers", "2")
+    assert (g["received"], g["errors"], g["group_check"]) == (2000, 0, "ok")
+    assert (g["groups_seen"], g["group_split"], g["order_violations"]) == (10, 0, 0)

@@ -220,19 +220,17 @@ class Queue:
         self.enqueued += 1
         if self.durable and e.durable:
             self._store.message_added(self.qid, e)
-        # fast path: empty queue, ungrouped, a consumer ready
+        # fast path: nothing queued ahead, so this message is the head: make the
+        # decision a dispatch pass would make, without entering one
         if (
-            e.gkey is None
-            and not self._main
+            not self._main
             and self._gate_open
             and not self._paused
             and not self._in_dispatch
             and not e.expiry
+            and self._offer_head(e)
         ):
-            c = self._pick(e)
-            if c is not None:
-                self._deliver(c, e, False)
-                return
+            return
         p = e.priority
         self._levels[p].append(e)
         self._main += 1
@@ -426,6 +424,44 @@ class Queue:
                 self._unbind(g)
         if self._main:
             self._host.schedule_dispatch(self)
+
+    def _offer_head(self, e: Entry) -> bool:
+        """Deliver `e` as the head of an empty main order if a dispatch pass would
+        deliver it now (same rules as `_dispatch_main`); False leaves every other
+        outcome (park, unmatched, wait) to the normal pass."""
+        key = e.gkey
+        if key is None:
+            c = self._pick(e)
+            if c is None:
+                return False
+            self._deliver(c, e, False)
+            return True
+        g = self._groups.get(key)
+        if g is None:
+            if self._policy.group_owner_policy == "least-loaded":
+                c = self._pick_owner(e)
+            else:
+                c = self._pick(e)
+            if c is None:
+                return False
+            gs = e.group_seq
+            if gs in (-1, SPENT_CLOSE) and key is not EXCLUSIVE:
+                e.group_seq = SPENT_CLOSE
+                self._deliver(c, e, False)
+            else:
+                self._bind(key, c)
+                self._deliver(c, e, self.first_key is not None)
+            return True
+        o = g.owner
+        if o is None or g.parked is not None or g.held or o.credit <= 0 or o.blocked:
+            return False
+        if (o.filter is not None or self._undeliverable) and not self._accepts(o, e):
+            return False
+        self._deliver(o, e, False)
+        if e.group_seq == -1 and key is not EXCLUSIVE:
+            e.group_seq = SPENT_CLOSE
+            self._unbind(g)
+        return True
 
     def _park(self, g: Group, e: Entry) -> None:
         if g.parked is None:

@@ -34,6 +34,7 @@ from amqbroker.protocol.fastpath import (
     PN_ACCEPTED,
     delivery_partial,
     delivery_pending,
+    delivery_remote_state,
     delivery_settle,
     delivery_settled,
     delivery_update,
@@ -140,17 +141,21 @@ class ConsumerLink(Consumer):
     def on_delivery(self, d: Any) -> None:
         e = self.unsettled.pop(d, None)
         if e is None:
-            if fp.remotely_settled(d):
-                fp.settle(d)
+            if delivery_settled(d):
+                delivery_settle(d)
             return
-        state, failed, undeliverable = fp.outcome(d)
         q = self.queue
         if q is None:
-            fp.settle(d)
+            delivery_settle(d)
             return
-        if state == fp.PN_ACCEPTED:
+        if delivery_remote_state(d) == PN_ACCEPTED:  # the usual case, first
             q.ack(self, e)
-        elif state == fp.PN_RELEASED:
+            delivery_settle(d)
+            if not self.conn.dirty:
+                self.conn.mark_dirty()
+            return
+        state, failed, undeliverable = fp.outcome(d)
+        if state == fp.PN_RELEASED:
             q.release(self, e)
         elif state == fp.PN_MODIFIED:
             q.release(self, e, delivery_failed=failed, undeliverable_here=undeliverable)

@@ -259,6 +259,8 @@ class Journal:
 
         self._opened = False
         self._closed = False
+        #: open and not closed (one attribute read on the per-message paths)
+        self._usable = False
         self._failed: BaseException | None = None
         self._lock_fd: int | None = None
         self._dir_fd: int | None = None
@@ -320,6 +322,7 @@ class Journal:
             self._release()
             raise
         self._opened = True
+        self._usable = True
         self._st_recovery_ms = (time.perf_counter() - t0) * 1000.0
         nmsgs = sum(len(q.entries) for q in recovered.queues)
         log.info(
@@ -339,6 +342,7 @@ class Journal:
         if self._closed:
             return
         self._closed = True
+        self._usable = False
         if self._buffered_records or self._outstanding is not None:
             log.warning(
                 "journal %s closed with %d buffered records not written",
@@ -545,6 +549,19 @@ class Journal:
         """Buffer one encoded record; returns the segment it will be written to."""
         n = len(record)
         seg = self._segs[self._append_seg]
+        chunks = self._chunks
+        if chunks and seg.size + n <= self._segment_size:
+            chunk = chunks[-1]
+            if not chunk.closes and chunk.segno == seg.no:
+                # the usual case: same segment, same open chunk
+                seg.size += n
+                self._total_bytes += n
+                chunk.buf += record
+                chunk.records += 1
+                self._buffered_bytes += n
+                self._buffered_records += 1
+                self._open_records += 1
+                return seg
         if seg.size + n > self._segment_size and seg.size > SEGMENT_HEADER_SIZE:
             no = self._append_seg + 1
             seg = self._segs[no] = _Segment(no, SEGMENT_HEADER_SIZE)
@@ -552,11 +569,11 @@ class Journal:
             self._total_bytes += SEGMENT_HEADER_SIZE
         seg.size += n
         self._total_bytes += n
-        chunks = self._chunks
-        chunk = chunks[-1] if chunks else None
-        if chunk is None or chunk.closes or chunk.segno != seg.no:
-            chunk = _Chunk(seg.no)
-            chunks.append(chunk)
+        last = chunks[-1] if chunks else None
+        if last is None or last.closes or last.segno != seg.no:
+            last = _Chunk(seg.no)
+            chunks.append(last)
+        chunk = last
         chunk.buf += record
         chunk.records += 1
         self._buffered_bytes += n
@@ -614,7 +631,8 @@ class Journal:
     def message_added(self, qid: int, entry: Entry) -> None:
         if not entry.durable:
             return
-        self._check_open()
+        if not self._usable:
+            self._check_open()
         seq = entry.seq
         ref = entry.store_ref
         if ref:
@@ -639,7 +657,8 @@ class Journal:
         self._live_records += 1
 
     def message_acked(self, qid: int, entry: Entry) -> None:
-        self._check_open()
+        if not self._usable:
+            self._check_open()
         s = self._segs.get(entry.store_ref)
         if s is None:
             return

@@ -483,3 +483,33 @@ def _put_symbols(data: Data, names: list[str]) -> None:
     for n in names:
         data.put_symbol(n)
     data.exit()
+
+
+async def roundtrip(c: Client, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Flush what the client has queued, then wait for an answer the broker sends only
+    after processing it (a session begin/end): everything sent before is handled, and
+    everything the broker sent in reaction is already in this client."""
+    await c._flush()
+    ssn = c.conn.session()
+    ssn.open()
+    await c._flush()
+    await c._wait(lambda: ssn.state & (Endpoint.REMOTE_ACTIVE | Endpoint.REMOTE_CLOSED), timeout)
+    ssn.close()
+    await c._flush()
+    await c._wait(lambda: ssn.state & Endpoint.REMOTE_CLOSED, timeout)
+
+
+async def wait_until(pred: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Poll a broker-side condition (bounded; meant for the autojump clock)."""
+    with trio.fail_after(timeout):
+        while True:
+            if pred():
+                return
+            await trio.sleep(0.01)
+
+
+async def wait_ended(c: Client, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Until the broker closed the connection or the socket ended."""
+    with trio.fail_after(timeout):
+        while not (c._dead or c.closed_by_peer):
+            await c._changed.wait()

@@ -53,6 +53,23 @@ def port(broker: BrokerApp) -> int:
 
 
 ConnectFactory = Callable[..., Awaitable[Client]]
+ClientFactory = Callable[..., Awaitable[Client]]
+
+
+@pytest.fixture
+async def client(nursery: trio.Nursery) -> AsyncIterator[ClientFactory]:
+    """Connect test clients to any broker app started with `make_broker`
+    (`connect` is tied to the default `broker`)."""
+    clients: list[Client] = []
+
+    async def _connect(app: BrokerApp, **kw: Any) -> Client:
+        c = await Client.connect(app.listening[0][1], nursery=nursery, **kw)
+        clients.append(c)
+        return c
+
+    yield _connect
+    for c in clients:
+        c.abort()
 
 
 @pytest.fixture

@@ -9,80 +9,14 @@ reset to the first consumer on any attach/detach.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-import trio
 from proton import Message
 
 from amqbroker.app import BrokerApp
-from tests.client import Client, Received, Receiver
-from tests.conftest import BrokerFactory
-
-CLOSE = 0xFFFFFFFF  # group-sequence -1 as the AMQP uint it travels as
-
-
-def msg(body: str, group: str | None = None, seq: int | None = None, **app: Any) -> Message:
-    m = Message(body=body)
-    if group is not None:
-        m.group_id = group
-    if seq is not None:
-        m.group_sequence = seq & 0xFFFFFFFF
-    if app:
-        m.properties = app  # type: ignore[assignment]
-    return m
-
-
-async def take(r: Receiver, n: int) -> list[str]:
-    """Receive exactly n messages, accept them, return their bodies."""
-    got = await r.receive_n(n)
-    for g in got:
-        r.accept(g)
-    return [g.body for g in got]
-
-
-async def take_all(r: Receiver, n: int) -> list[Received]:
-    got = await r.receive_n(n)
-    for g in got:
-        r.accept(g)
-    return got
-
-
-async def assert_idle(app: BrokerApp, *clients: Client) -> None:
-    """Close the clients; every per-connection/per-link registry must be empty."""
-    for c in clients:
-        await c.close()
-    sizes: dict[str, int] = {}
-    for _ in range(100):
-        sizes = app.registry_sizes()
-        if not any(sizes.values()):
-            return
-        await trio.sleep(0.01)
-    raise AssertionError(f"registries not empty after the clients left: {sizes}")
-
-
-ClientFactory = Callable[..., Awaitable[Client]]
-
-
-@pytest.fixture
-async def client(nursery: trio.Nursery) -> AsyncIterator[ClientFactory]:
-    """Connect test clients to any broker app (conftest's `connect` is tied to the
-    default broker). TCP_NODELAY: with Nagle's algorithm small frames (dispositions)
-    wait for a delayed ACK, real time that the autojump clock turns into timeouts."""
-    clients: list[Client] = []
-
-    async def _connect(app: BrokerApp, **kw: Any) -> Client:
-        c = await Client.connect(app.listening[0][1], nursery=nursery, **kw)
-        c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        clients.append(c)
-        return c
-
-    yield _connect
-    for c in clients:
-        c.abort()
-
+from tests.conftest import BrokerFactory, ClientFactory
+from tests.integration.groups_helpers import CLOSE, assert_idle, msg, take, take_all
 
 # --------------------------------------------------------------------------- owners
 

@@ -10,8 +10,6 @@ or a new binding and goes back to the first consumer on any attach/detach.
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -19,91 +17,17 @@ import trio
 from proton import Message
 
 from amqbroker.app import BrokerApp
-from tests.client import Client, Received, Receiver
-from tests.conftest import BrokerFactory
-
-CLOSE = 0xFFFFFFFF  # group-sequence -1 as the AMQP uint it travels as
-FIRST = "JMSXGroupFirstForConsumer"
-
-ClientFactory = Callable[..., Awaitable[Client]]
-
-
-@pytest.fixture
-async def client(nursery: trio.Nursery) -> AsyncIterator[ClientFactory]:
-    """Connect test clients to any broker app (conftest's `connect` is tied to the
-    default broker). TCP_NODELAY: with Nagle's algorithm small frames (dispositions)
-    wait for a delayed ACK, real time that the autojump clock turns into timeouts."""
-    clients: list[Client] = []
-
-    async def _connect(app: BrokerApp, **kw: Any) -> Client:
-        c = await Client.connect(app.listening[0][1], nursery=nursery, **kw)
-        c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        clients.append(c)
-        return c
-
-    yield _connect
-    for c in clients:
-        c.abort()
-
-
-def msg(body: str, group: str | None = None, seq: int | None = None, **app: Any) -> Message:
-    m = Message(body=body)
-    if group is not None:
-        m.group_id = group
-    if seq is not None:
-        m.group_sequence = seq & 0xFFFFFFFF
-    if app:
-        m.properties = app  # type: ignore[assignment]
-    return m
-
-
-async def take(r: Receiver, n: int) -> list[str]:
-    """Receive exactly n messages, accept them, return their bodies."""
-    got = await r.receive_n(n)
-    for g in got:
-        r.accept(g)
-    return [g.body for g in got]
-
-
-def summary(got: list[Received], key: str = FIRST) -> list[tuple[str, int, bool]]:
-    """(body, delivery-count, first-key flag present) per delivery."""
-    out = []
-    for g in got:
-        props = g.properties
-        flag = key in props
-        if flag:
-            assert props[key] is True, f"{key} must be boolean true, got {props[key]!r}"
-        out.append((g.body, g.message.delivery_count, flag))
-    return out
-
-
-async def assert_idle(app: BrokerApp, *clients: Client) -> None:
-    """Close the clients; every per-connection/per-link registry must be empty."""
-    for c in clients:
-        await c.close()
-    sizes: dict[str, int] = {}
-    for _ in range(100):
-        sizes = app.registry_sizes()
-        if not any(sizes.values()):
-            return
-        await trio.sleep(0.01)
-    raise AssertionError(f"registries not empty after the clients left: {sizes}")
-
-
-def stats(app: BrokerApp, queue: str) -> dict[str, Any]:
-    assert app.broker is not None
-    return app.broker.queues[queue].statistics()
-
-
-async def until(app: BrokerApp, queue: str, what: str, value: Any) -> None:
-    """Wait until the broker has processed a settlement (it travels on another
-    connection than the next send, so it could otherwise arrive after it)."""
-    for _ in range(5000):
-        if stats(app, queue)[what] == value:
-            return
-        await trio.sleep(0.001)
-    raise AssertionError(f"{what} never became {value!r}: {stats(app, queue)[what]!r}")
-
+from tests.conftest import BrokerFactory, ClientFactory
+from tests.integration.groups_helpers import (
+    CLOSE,
+    FIRST,
+    assert_idle,
+    msg,
+    stats,
+    summary,
+    take,
+    until,
+)
 
 # ------------------------------------------------------------- owner leaves (C-1/C-2)
 

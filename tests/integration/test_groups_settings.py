@@ -11,94 +11,25 @@ binding and goes back to the first consumer on any attach/detach.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import trio
-from proton import Message
 
 from amqbroker.app import BrokerApp
-from tests.client import Client, Received, Receiver
-from tests.conftest import BrokerFactory
-
-FIRST = "JMSXGroupFirstForConsumer"
-BUCKET = "_AMQ_GROUP_BUCKET_INT_KEY_"
-
-ClientFactory = Callable[..., Awaitable[Client]]
-
-
-@pytest.fixture
-async def client(nursery: trio.Nursery) -> AsyncIterator[ClientFactory]:
-    """Connect test clients to any broker app (conftest's `connect` is tied to the
-    default broker). TCP_NODELAY: with Nagle's algorithm small frames (dispositions)
-    wait for a delayed ACK, real time that the autojump clock turns into timeouts."""
-    clients: list[Client] = []
-
-    async def _connect(app: BrokerApp, **kw: Any) -> Client:
-        c = await Client.connect(app.listening[0][1], nursery=nursery, **kw)
-        c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        clients.append(c)
-        return c
-
-    yield _connect
-    for c in clients:
-        c.abort()
-
-
-def msg(body: str, group: str | None = None) -> Message:
-    m = Message(body=body)
-    if group is not None:
-        m.group_id = group
-    return m
-
-
-async def take(r: Receiver, n: int) -> list[str]:
-    """Receive exactly n messages, accept them, return their bodies."""
-    got = await r.receive_n(n)
-    for g in got:
-        r.accept(g)
-    return [g.body for g in got]
-
-
-def flags(got: list[Received], key: str = FIRST) -> list[tuple[str, bool]]:
-    out = []
-    for g in got:
-        props = g.properties
-        if key in props:
-            assert props[key] is True
-        out.append((g.body, key in props))
-    return out
-
-
-async def assert_idle(app: BrokerApp, *clients: Client) -> None:
-    """Close the clients; every per-connection/per-link registry must be empty."""
-    for c in clients:
-        await c.close()
-    sizes: dict[str, int] = {}
-    for _ in range(100):
-        sizes = app.registry_sizes()
-        if not any(sizes.values()):
-            return
-        await trio.sleep(0.01)
-    raise AssertionError(f"registries not empty after the clients left: {sizes}")
-
-
-def queue_of(app: BrokerApp, name: str) -> Any:
-    assert app.broker is not None
-    return app.broker.queues[name]
-
-
-async def until(app: BrokerApp, name: str, what: str, value: Any) -> None:
-    """Wait until the broker has processed settlements sent on another connection."""
-    for _ in range(5000):
-        if queue_of(app, name).statistics()[what] == value:
-            return
-        await trio.sleep(0.001)
-    now = queue_of(app, name).statistics()[what]
-    raise AssertionError(f"{what} never became {value!r}: {now!r}")
-
+from tests.client import Client, Receiver
+from tests.conftest import BrokerFactory, ClientFactory
+from tests.integration.groups_helpers import (
+    BUCKET,
+    FIRST,
+    assert_idle,
+    flags,
+    msg,
+    queue_of,
+    take,
+    until,
+)
 
 # ----------------------------------------------------------------------- group-buckets
 

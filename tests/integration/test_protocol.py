@@ -9,9 +9,6 @@ use trio's autojump clock, never real sleeps.
 
 from __future__ import annotations
 
-import math
-import socket
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +16,16 @@ import trio
 from proton import Delivery, Endpoint, Link, Message, Terminus
 
 from amqbroker.app import BrokerApp
-from tests.client import Client, ClientError, Receiver, Sender, _put_symbols
+from tests.client import (
+    Client,
+    ClientError,
+    Receiver,
+    Sender,
+    _put_symbols,
+    roundtrip,
+    wait_ended,
+    wait_until,
+)
 from tests.conftest import BrokerFactory, ConnectFactory
 
 NO_AUTO_CREATE = {"#": {"auto_create_addresses": False, "auto_create_queues": False}}
@@ -28,96 +34,15 @@ NO_AUTO_CREATE = {"#": {"auto_create_addresses": False, "auto_create_queues": Fa
 # ------------------------------------------------------------------------------ helpers
 
 
-def nodelay(c: Client) -> Client:
-    """TCP_NODELAY on the client socket: with Nagle's algorithm a small frame can wait
-    for the broker's delayed ACK, which never comes while the autojump clock races
-    ahead (and costs 40 ms of real time otherwise)."""
-    c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return c
-
-
-async def connect_client(port: int, *, cls: type[Client] = Client, **kw: Any) -> Client:
-    return nodelay(await cls.connect(port, **kw))
-
-
-class FixedClient(Client):
-    """`Client` with two test-client bugs worked around (tests/client.py):
-
-    * its ticker passes milliseconds to `Transport.tick`, which takes and returns
-      seconds, and only ticks again at its own deadline, not after input as Proton's
-      docs ask: it cannot keep a connection with a short idle timeout alive;
-    * its reader pushes a whole 64 KiB read into the transport, which takes only
-      `capacity()` bytes at a time (OverflowError on large or batched transfers).
-    """
-
-    async def _ticker(self) -> None:
-        while not self._dead:
-            nxt = self.transport.tick(trio.current_time())
-            await self._flush()
-            with trio.move_on_at(nxt if nxt else math.inf):
-                await self._changed.wait()
-
-    async def _reader(self) -> None:
-        try:
-            while True:
-                try:
-                    data = await self.sock.recv(65536)
-                except (OSError, trio.ClosedResourceError):
-                    data = b""
-                if not data:
-                    self.transport.close_tail()
-                    self._dead = True
-                    self._process()
-                    self._signal()
-                    return
-                while data:
-                    cap = self.transport.capacity()
-                    if cap <= 0:
-                        raise ClientError(f"transport takes no input (capacity {cap})")
-                    self.transport.push(data[:cap])
-                    data = data[cap:]
-                await self._flush()
-        finally:
-            self._dead = True
-
-
-class SilentClient(FixedClient):
+class SilentClient(Client):
     """A peer that completes SASL and open, then never sends another byte."""
 
     async def _ticker(self) -> None:
         return
 
 
-async def roundtrip(c: Client, timeout: float = 10.0) -> None:
-    """Flush what the client has queued, then wait for an answer the broker sends only
-    after processing it (a session begin/end): everything sent before is handled."""
-    await c._flush()
-    ssn = c.conn.session()
-    ssn.open()
-    await c._flush()
-    await c._wait(lambda: ssn.state & (Endpoint.REMOTE_ACTIVE | Endpoint.REMOTE_CLOSED), timeout)
-    ssn.close()
-    await c._flush()
-    await c._wait(lambda: ssn.state & Endpoint.REMOTE_CLOSED, timeout)
-
-
-async def wait_until(pred: Callable[[], Any], timeout: float = 10.0) -> None:
-    """Poll a broker-side condition (use with the autojump clock only)."""
-    with trio.fail_after(timeout):
-        while True:
-            if pred():
-                return
-            await trio.sleep(0.01)
-
-
 def all_zero(app: BrokerApp) -> bool:
     return all(v == 0 for v in app.registry_sizes().values())
-
-
-async def wait_ended(c: Client, timeout: float) -> None:
-    with trio.fail_after(timeout):
-        while not (c._dead or c.closed_by_peer):
-            await c._changed.wait()
 
 
 # ----------------------------------------------------------------------------- open
@@ -126,7 +51,7 @@ async def wait_ended(c: Client, timeout: float) -> None:
 async def test_open_offers_anonymous_relay_and_container_id(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    c = nodelay(await connect(container="my-app-42"))
+    c = await connect(container="my-app-42")
     assert "ANONYMOUS-RELAY" in c.offered_capabilities
     assert c.conn.remote_container == "amqbroker"
     props = c.conn.remote_properties or {}
@@ -136,7 +61,7 @@ async def test_open_offers_anonymous_relay_and_container_id(
 
 
 async def test_open_without_sasl(connect: ConnectFactory) -> None:
-    c = nodelay(await connect(sasl=False))
+    c = await connect(sasl=False)
     assert c.conn.state & Endpoint.REMOTE_ACTIVE
     s = await c.sender("nosasl")
     d = await s.send(Message(body="plain"))
@@ -147,7 +72,7 @@ async def test_max_frame_size_and_channel_max_from_settings(
     make_broker: BrokerFactory, nursery: trio.Nursery
 ) -> None:
     app = await make_broker(max_frame_size=4096, channel_max=9)
-    c = await connect_client(app.listening[0][1], cls=FixedClient, nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         assert c.transport.remote_max_frame_size == 4096
         assert c.transport.remote_channel_max == 9
@@ -171,7 +96,7 @@ async def test_session_limit_refuses_with_resource_limit_exceeded(
     make_broker: BrokerFactory, nursery: trio.Nursery
 ) -> None:
     app = await make_broker(max_sessions_per_connection=2)
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         second = c.conn.session()
         second.open()
@@ -196,7 +121,7 @@ async def test_link_limit_refuses_with_resource_limit_exceeded(
     make_broker: BrokerFactory, nursery: trio.Nursery
 ) -> None:
     app = await make_broker(max_links_per_connection=2)
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s1 = await c.sender("lim")
         await c.receiver("lim", credit=1)
@@ -220,7 +145,7 @@ async def test_idle_timeout_advertised_and_silent_peer_closed(
     make_broker: BrokerFactory, nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
     app = await make_broker(idle_timeout=4)
-    c = await connect_client(app.listening[0][1], cls=SilentClient, nursery=nursery)
+    c = await SilentClient.connect(app.listening[0][1], nursery=nursery)
     try:
         # AMQP 2.4.5: a peer SHOULD advertise half its real threshold
         advertised = c.transport.remote_idle_timeout
@@ -252,7 +177,7 @@ async def test_heartbeats_keep_quiet_client_alive(
 ) -> None:
     app = await make_broker(idle_timeout=2)
     # the client also asks for heartbeats: the broker must send them
-    c = await connect_client(app.listening[0][1], cls=FixedClient, nursery=nursery, idle_timeout=2)
+    c = await Client.connect(app.listening[0][1], nursery=nursery, idle_timeout=2)
     try:
         s = await c.sender("hb")
         r = await c.receiver("hb", credit=5)
@@ -275,7 +200,7 @@ async def test_attach_to_missing_address_refused_not_found(
     make_broker: BrokerFactory, nursery: trio.Nursery
 ) -> None:
     app = await make_broker(address_settings=NO_AUTO_CREATE)
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         for make in (c.receiver, c.sender):
             with pytest.raises(ClientError) as exc:
@@ -301,7 +226,7 @@ async def test_attach_to_missing_address_refused_not_found(
 
 
 async def test_coordinator_link_refused_not_implemented(connect: ConnectFactory) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     link = c._session.sender("qpid-jms:coordinator:ID:1")
     link.target.type = Terminus.COORDINATOR
     _put_symbols(link.target.capabilities, ["amqp:local-transactions"])
@@ -318,7 +243,7 @@ async def test_coordinator_link_refused_not_implemented(connect: ConnectFactory)
 async def test_topic_queue_capability_mismatch_precondition_failed(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     await c.sender("a.queue", capabilities=["queue"])
     await c.receiver("a.topic", capabilities=["topic"])
     cases = [
@@ -396,7 +321,7 @@ async def test_registries_empty_after_busy_scenario(
     clients: list[Client] = []
 
     async def client() -> Client:
-        c = await connect_client(port, nursery=nursery)
+        c = await Client.connect(port, nursery=nursery)
         clients.append(c)
         return c
 
@@ -460,7 +385,7 @@ async def test_connection_refused_link_state_does_not_leak(
     make_broker: BrokerFactory, nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
     app = await make_broker(address_settings=NO_AUTO_CREATE, max_links_per_connection=3)
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         # refused links never count against max_links_per_connection
         for _ in range(5):

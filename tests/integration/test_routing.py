@@ -8,47 +8,20 @@ Time-dependent tests use trio's autojump clock (the broker's clock is built on
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 import trio
-from proton import Delivery, Endpoint, Message, symbol
+from proton import Delivery, Message, symbol
 
 from amqbroker.app import BrokerApp
 from amqbroker.core.queue import Queue
-from tests.client import Client, ClientError, Sender
+from tests.client import Client, ClientError, Sender, roundtrip
 from tests.conftest import BrokerFactory, ConnectFactory
 
 NO_AUTO_CREATE = {"#": {"auto_create_addresses": False, "auto_create_queues": False}}
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def nodelay(c: Client) -> Client:
-    """TCP_NODELAY on the client socket: with Nagle's algorithm a small frame can wait
-    for the broker's delayed ACK, which never comes while the autojump clock races
-    ahead (and costs 40 ms of real time otherwise)."""
-    c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return c
-
-
-async def connect_client(port: int, **kw: Any) -> Client:
-    return nodelay(await Client.connect(port, **kw))
-
-
-async def roundtrip(c: Client, timeout: float = 10.0) -> None:
-    """Flush what the client has queued, then wait for an answer the broker sends only
-    after processing it (a session begin/end): everything sent before is handled, and
-    everything the broker sent in reaction is already in this client."""
-    await c._flush()
-    ssn = c.conn.session()
-    ssn.open()
-    await c._flush()
-    await c._wait(lambda: ssn.state & (Endpoint.REMOTE_ACTIVE | Endpoint.REMOTE_CLOSED), timeout)
-    ssn.close()
-    await c._flush()
-    await c._wait(lambda: ssn.state & Endpoint.REMOTE_CLOSED, timeout)
 
 
 def queues(app: BrokerApp) -> dict[str, Queue]:
@@ -70,7 +43,7 @@ def ann(msg: Message, key: str) -> Any:
 
 
 async def test_anonymous_relay_routes_each_message_by_its_to(connect: ConnectFactory) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     assert "ANONYMOUS-RELAY" in c.offered_capabilities
     s = await c.sender(None)
     assert s.address is None
@@ -93,7 +66,7 @@ async def test_anonymous_relay_routes_each_message_by_its_to(connect: ConnectFac
 async def test_anonymous_relay_without_to_is_rejected(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     s = await c.sender(None)
     d = await s.send(Message(body="where to?"))
     assert d.remote_state == Delivery.REJECTED
@@ -113,7 +86,7 @@ async def test_anonymous_relay_to_missing_address_rejected_not_found(
         address_settings=NO_AUTO_CREATE,
         addresses=[{"name": "known", "routing": "anycast"}],
     )
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s = await c.sender(None)
         d = await s.send(Message(address="unknown", body="x"))
@@ -135,13 +108,13 @@ async def test_anonymous_relay_to_missing_address_rejected_not_found(
 async def test_dynamic_receiver_gets_temporary_queue_deleted_on_close(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver(None, dynamic=True, credit=5)
     addr = r.address
     assert addr
     assert addr in queues(broker)
     assert queues(broker)[addr].temporary
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender(addr)
     await fill(s, [Message(body="reply-1"), Message(body="reply-2")])
     got = await r.receive_n(2)
@@ -159,7 +132,7 @@ async def test_dynamic_receiver_gets_temporary_queue_deleted_on_close(
 async def test_dynamic_sender_temp_queue_creator(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     creator = await c.sender(
         None,
         dynamic=True,
@@ -170,7 +143,7 @@ async def test_dynamic_sender_temp_queue_creator(
     assert addr
     assert queues(broker)[addr].temporary
     consumer = await c.receiver(addr, credit=5)
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender(addr)
     await fill(s, [Message(body="to-temp")])
     assert (await consumer.receive()).body == "to-temp"
@@ -188,14 +161,14 @@ async def test_dynamic_sender_temp_queue_creator(
 async def test_topic_subscribers_each_get_a_copy_and_queues_go_away(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    c1 = nodelay(await connect())
-    c2 = nodelay(await connect())
+    c1 = await connect()
+    c2 = await connect()
     r1 = await c1.receiver("news", capabilities=["topic"], credit=10)
     r2 = await c2.receiver("news", capabilities=["topic"], credit=10)
     subs = [n for n in queues(broker) if n.startswith("news")]
     assert len(subs) == 2
     assert "news" not in queues(broker)  # no anycast queue for a topic
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("news", capabilities=["topic"])
     await fill(s, [Message(body=f"n{i}") for i in range(3)])
     assert [g.body for g in await r1.receive_n(3)] == ["n0", "n1", "n2"]
@@ -209,13 +182,13 @@ async def test_topic_subscribers_each_get_a_copy_and_queues_go_away(
 async def test_topic_without_subscribers_accepts_and_drops(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("lonely", capabilities=["topic"])
     await fill(s, [Message(body="nobody hears this")])
     assert broker.broker is not None
     assert broker.broker.addresses["lonely"].routing == "multicast"
     assert broker.broker.dropped_no_route >= 1
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("lonely", capabilities=["topic"], credit=5)
     await roundtrip(c)
     assert not r.queue
@@ -236,7 +209,7 @@ async def test_auto_create_most_specific_pattern_wins(
             "app.secret": {"auto_create_addresses": False},
         }
     )
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s = await c.sender("app.orders")
         r = await c.receiver("app.events.eu", credit=1)
@@ -268,7 +241,7 @@ async def test_max_delivery_attempts_and_dead_letter_address_by_pattern(
             "orders.fragile": {"max_delivery_attempts": 1},
         }
     )
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s = await c.sender(None)
         await fill(
@@ -317,7 +290,7 @@ async def test_redelivery_delay_by_pattern(
     make_broker: BrokerFactory, nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
     app = await make_broker(address_settings={"slow.#": {"redelivery_delay": 5000}})
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s = await c.sender(None)
         await fill(
@@ -348,7 +321,7 @@ async def test_full_address_fail_policy_rejects(
             "lim.big": {"max_size_bytes": -1},
         }
     )
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         small = await c.sender("lim.small")
         big = await c.sender("lim.big")
@@ -385,8 +358,8 @@ async def test_full_address_block_policy_withholds_credit(
         address_settings={"blk.#": {"max_size_bytes": 1000, "address_full_policy": "BLOCK"}},
     )
     port = app.listening[0][1]
-    p = await connect_client(port, nursery=nursery)
-    c = await connect_client(port, nursery=nursery)
+    p = await Client.connect(port, nursery=nursery)
+    c = await Client.connect(port, nursery=nursery)
     try:
         s = await p.sender("blk.q")
         assert s.credit > 0
@@ -434,7 +407,7 @@ async def test_expired_messages_never_delivered_and_go_to_expiry_address(
             "exp.special.#": {"expiry_address": "EXP.special"},
         }
     )
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s = await c.sender(None)
         # a consumer already attached, without credit, on one address; none on the other
@@ -475,7 +448,7 @@ async def test_expired_while_consumer_connected_not_delivered(
     make_broker: BrokerFactory, nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
     app = await make_broker()
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s = await c.sender("exp2.q")
         r = await c.receiver("exp2.q", credit=1)
@@ -494,11 +467,11 @@ async def test_expired_while_consumer_connected_not_delivered(
 async def test_priority_higher_first_fifo_within_level(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("prio.q")
     sent = [(1, "p1"), (9, "p9a"), (4, "p4"), (0, "p0"), (7, "p7"), (9, "p9b"), (4, "p4b")]
     await fill(s, [Message(body=b, priority=pr) for pr, b in sent])
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("prio.q", credit=20)
     got = await r.receive_n(len(sent))
     assert [g.body for g in got] == ["p9a", "p9b", "p7", "p4", "p4b", "p1", "p0"]

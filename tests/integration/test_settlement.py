@@ -4,55 +4,18 @@ consumer receives compared with the bytes the producer sent."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import trio
-from proton import Delivery, Endpoint, Link, Message, byte, symbol
+from proton import Delivery, Link, Message, byte, symbol
 
 from amqbroker.app import BrokerApp
 from amqbroker.core.queue import Queue
-from tests.client import Client, Received, Receiver, Sender
+from tests.client import Client, Received, Receiver, Sender, roundtrip, wait_until
 from tests.conftest import BrokerFactory, ConnectFactory
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def nodelay(c: Client) -> Client:
-    """TCP_NODELAY on the client socket: with Nagle's algorithm a small frame can wait
-    for the broker's delayed ACK, which never comes while the autojump clock races
-    ahead (and costs 40 ms of real time otherwise)."""
-    c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return c
-
-
-async def connect_client(port: int, *, cls: type[Client] = Client, **kw: Any) -> Client:
-    return nodelay(await cls.connect(port, **kw))
-
-
-async def roundtrip(c: Client, timeout: float = 10.0) -> None:
-    """Flush what the client has queued, then wait for an answer the broker sends only
-    after processing it (a session begin/end): everything sent before is handled, and
-    everything the broker sent in reaction is already in this client."""
-    await c._flush()
-    ssn = c.conn.session()
-    ssn.open()
-    await c._flush()
-    await c._wait(lambda: ssn.state & (Endpoint.REMOTE_ACTIVE | Endpoint.REMOTE_CLOSED), timeout)
-    ssn.close()
-    await c._flush()
-    await c._wait(lambda: ssn.state & Endpoint.REMOTE_CLOSED, timeout)
-
-
-async def wait_until(pred: Callable[[], Any], timeout: float = 10.0) -> None:
-    """Poll a broker-side condition (use with the autojump clock only)."""
-    with trio.fail_after(timeout):
-        while True:
-            if pred():
-                return
-            await trio.sleep(0.01)
 
 
 def queue(app: BrokerApp, name: str) -> Queue:
@@ -101,8 +64,8 @@ def split_header(raw: bytes) -> tuple[bytes, bytes]:
 
 
 async def test_credit_limits_deliveries(broker: BrokerApp, connect: ConnectFactory) -> None:
-    p = nodelay(await connect())
-    c = nodelay(await connect())
+    p = await connect()
+    c = await connect()
     s = await p.sender("credit.q")
     await fill(s, [f"m{i}" for i in range(5)])
     r = await c.receiver("credit.q", credit=2)
@@ -118,8 +81,8 @@ async def test_credit_limits_deliveries(broker: BrokerApp, connect: ConnectFacto
 async def test_drain_with_fewer_messages_than_credit(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
-    c = nodelay(await connect())
+    p = await connect()
+    c = await connect()
     s = await p.sender("drain.q")
     r = await c.receiver("drain.q")
     await fill(s, ["a", "b"])
@@ -138,7 +101,7 @@ async def test_drain_with_fewer_messages_than_credit(
 
 
 async def test_drain_on_empty_queue(broker: BrokerApp, connect: ConnectFactory) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("drain.empty")
     r.link.drain(7)
     await c._flush()
@@ -153,24 +116,24 @@ async def test_drain_on_empty_queue(broker: BrokerApp, connect: ConnectFactory) 
 
 
 async def test_presettled_producer(broker: BrokerApp, connect: ConnectFactory) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("ps.q", presettled=True)
     assert s.link.remote_snd_settle_mode == Link.SND_SETTLED
     for i in range(3):
         await s.send(Message(body=f"p{i}"))
     await roundtrip(p)
     assert queue(broker, "ps.q").count == 3
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("ps.q", credit=5)
     got = await r.receive_n(3)
     assert [g.body for g in got] == ["p0", "p1", "p2"]
 
 
 async def test_presettled_consumer(broker: BrokerApp, connect: ConnectFactory) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("pc.q")
     await fill(s, ["x", "y"])
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("pc.q", credit=5, presettled=True)
     assert r.link.remote_snd_settle_mode == Link.SND_SETTLED
     got = await r.receive_n(2)
@@ -184,10 +147,10 @@ async def test_presettled_consumer(broker: BrokerApp, connect: ConnectFactory) -
 async def test_unsettled_consumer_holds_until_accepted(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("us.q")
     await fill(s, ["u"])
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("us.q", credit=5)
     got = await r.receive()
     assert not got.delivery.settled
@@ -202,17 +165,17 @@ async def test_unsettled_consumer_holds_until_accepted(
 
 
 async def test_accepted_is_gone(broker: BrokerApp, connect: ConnectFactory) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("acc.q")
     await fill(s, ["a1", "a2"])
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("acc.q", credit=1)
     g = await r.receive()
     r.accept(g)
     await roundtrip(c)
     assert queue(broker, "acc.q").count == 1
     await r.close()
-    c2 = nodelay(await connect())
+    c2 = await connect()
     r2 = await c2.receiver("acc.q", credit=5)
     await roundtrip(c2)
     assert [x.body for x in r2.queue] == ["a2"]
@@ -223,7 +186,7 @@ async def test_rejected_is_dead_lettered_with_annotations(
 ) -> None:
     app = await make_broker(address_settings={"#": {"dead_letter_address": "DLQ"}})
     port = app.listening[0][1]
-    c = await connect_client(port, nursery=nursery)
+    c = await Client.connect(port, nursery=nursery)
     try:
         s = await c.sender("rej.q")
         d = await s.send(Message(body="bad", id="msg-1", properties={"k": 1}))
@@ -250,7 +213,7 @@ async def test_rejected_is_dead_lettered_with_annotations(
 async def test_rejected_without_dead_letter_address_is_dropped(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    c = nodelay(await connect())
+    c = await connect()
     s = await c.sender("drop.q")
     await fill(s, ["bye"])
     r = await c.receiver("drop.q", credit=5)
@@ -268,10 +231,10 @@ async def test_rejected_without_dead_letter_address_is_dropped(
 async def test_released_is_redelivered_without_count(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("rel.q")
     await fill(s, ["r0", "r1"])
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("rel.q", credit=1)
     g = await r.receive()
     assert g.body == "r0"
@@ -285,10 +248,10 @@ async def test_released_is_redelivered_without_count(
 async def test_modified_delivery_failed_increments_count(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("mod.q")
     await fill(s, ["f0", "f1"])
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("mod.q", credit=1)
     g = await r.receive()
     r.modify(g, failed=True)
@@ -306,11 +269,11 @@ async def test_modified_delivery_failed_increments_count(
 async def test_modified_undeliverable_here_goes_to_another_consumer(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("udh.q")
-    a = nodelay(await connect())
+    a = await connect()
     ra = await a.receiver("udh.q", credit=5)
-    b = nodelay(await connect())
+    b = await connect()
     rb = await b.receiver("udh.q", credit=0)
     await fill(s, ["only"])
     g = await ra.receive()
@@ -338,7 +301,7 @@ async def test_max_delivery_attempts_dead_letters(
     app = await make_broker(
         address_settings={"#": {"max_delivery_attempts": 3, "dead_letter_address": "DLQ"}}
     )
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         s = await c.sender("mda.q")
         await fill(s, ["poison", "fine"])
@@ -372,9 +335,9 @@ async def test_unsettled_return_in_order_with_count(
 ) -> None:
     app = await make_broker()
     port = app.listening[0][1]
-    p = await connect_client(port, nursery=nursery)
-    a = await connect_client(port, nursery=nursery)
-    b = await connect_client(port, nursery=nursery)
+    p = await Client.connect(port, nursery=nursery)
+    a = await Client.connect(port, nursery=nursery)
+    b = await Client.connect(port, nursery=nursery)
     try:
         s = await p.sender("ret.q")
         await fill(s, [f"m{i}" for i in range(6)])
@@ -431,11 +394,11 @@ async def test_bytes_forwarded_unchanged_and_only_header_changes_on_redelivery(
     )
     msg.annotations = {symbol("x-custom"): "v", symbol("x-num"): 7}
     raw = bytes(msg.encode())
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("bytes.q")
     d = await send_raw(s, raw)
     assert d.remote_state == Delivery.ACCEPTED
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("bytes.q", credit=1)
     first = await r.receive()
     assert bytes(first.raw) == raw
@@ -456,10 +419,10 @@ async def test_bytes_forwarded_unchanged_and_only_header_changes_on_redelivery(
 async def test_message_without_header_gets_one_on_redelivery(connect: ConnectFactory) -> None:
     _, bare = split_header(bytes(Message(body="no header", id="nh").encode()))
     assert bare[:3] != b"\x00\x53\x70"
-    p = nodelay(await connect())
+    p = await connect()
     s = await p.sender("nohdr.q")
     await send_raw(s, bare)
-    c = nodelay(await connect())
+    c = await connect()
     r = await c.receiver("nohdr.q", credit=1)
     first = await r.receive()
     assert bytes(first.raw) == bare
@@ -502,7 +465,7 @@ async def test_jms_message_type_stays_a_byte(
     app = await make_broker(
         address_settings={"jms.#": {"dead_letter_address": "jms.DLQ", "max_delivery_attempts": 2}}
     )
-    c = await connect_client(app.listening[0][1], nursery=nursery)
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
     try:
         raw = bytes(_jms_text_message().encode())
         s = await c.sender("jms.q")
@@ -533,8 +496,8 @@ async def test_jms_message_type_stays_a_byte(
 async def test_receiver_queue_registry_tracks_unsettled(
     broker: BrokerApp, connect: ConnectFactory
 ) -> None:
-    p = nodelay(await connect())
-    c = nodelay(await connect())
+    p = await connect()
+    c = await connect()
     s = await p.sender("track.q")
     await fill(s, [f"t{i}" for i in range(3)])
     r: Receiver = await c.receiver("track.q", credit=3)

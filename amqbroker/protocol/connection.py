@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import proton
-from cproton_ffi import lib
 from proton import Condition, Link, Terminus, symbol
 
 from amqbroker import __version__
@@ -50,16 +49,16 @@ log = logging.getLogger(__name__)
 
 MANAGEMENT_ADDRESS = "$management"
 
-_E = lib
-EV_CONN_REMOTE_OPEN = _E.PN_CONNECTION_REMOTE_OPEN
-EV_CONN_REMOTE_CLOSE = _E.PN_CONNECTION_REMOTE_CLOSE
-EV_SSN_REMOTE_OPEN = _E.PN_SESSION_REMOTE_OPEN
-EV_SSN_REMOTE_CLOSE = _E.PN_SESSION_REMOTE_CLOSE
-EV_LINK_REMOTE_OPEN = _E.PN_LINK_REMOTE_OPEN
-EV_LINK_REMOTE_CLOSE = _E.PN_LINK_REMOTE_CLOSE
-EV_LINK_REMOTE_DETACH = _E.PN_LINK_REMOTE_DETACH
-EV_TRANSPORT_ERROR = _E.PN_TRANSPORT_ERROR
-EV_TRANSPORT_CLOSED = _E.PN_TRANSPORT_CLOSED
+_EV = proton.Event
+EV_CONN_REMOTE_OPEN = _EV.CONNECTION_REMOTE_OPEN.number
+EV_CONN_REMOTE_CLOSE = _EV.CONNECTION_REMOTE_CLOSE.number
+EV_SSN_REMOTE_OPEN = _EV.SESSION_REMOTE_OPEN.number
+EV_SSN_REMOTE_CLOSE = _EV.SESSION_REMOTE_CLOSE.number
+EV_LINK_REMOTE_OPEN = _EV.LINK_REMOTE_OPEN.number
+EV_LINK_REMOTE_CLOSE = _EV.LINK_REMOTE_CLOSE.number
+EV_LINK_REMOTE_DETACH = _EV.LINK_REMOTE_DETACH.number
+EV_TRANSPORT_ERROR = _EV.TRANSPORT_ERROR.number
+EV_TRANSPORT_CLOSED = _EV.TRANSPORT_CLOSED.number
 
 _ROUTING_CAPS = {
     "queue": ANYCAST,
@@ -230,9 +229,7 @@ class AmqpConnection:
     def flushed(self) -> None:
         """The net layer wrote what it could; `out_pending` is recomputed."""
         self.dirty = False
-        self.out_pending = (
-            0 if self._sasl is not None else max(lib.pn_transport_pending(self._t), 0)
-        )
+        self.out_pending = 0 if self._sasl is not None else max(fp.pending_output(self._t), 0)
         if self.output_blocked and self.out_pending <= self.limits.output_low_water:
             self.unblock_output()
 
@@ -300,16 +297,16 @@ class AmqpConnection:
 
     # -------------------------------------------------------- control events
     def _control(self, ev: Any) -> None:
-        t = lib.pn_event_type(ev)
+        t = fp.event_type(ev)
         try:
             if t == EV_LINK_REMOTE_OPEN:
-                self._on_link_open(Link.wrap(lib.pn_event_link(ev)))
+                self._on_link_open(Link.wrap(fp.event_link(ev)))
             elif t in (EV_LINK_REMOTE_CLOSE, EV_LINK_REMOTE_DETACH):
-                self._on_link_close(Link.wrap(lib.pn_event_link(ev)), t == EV_LINK_REMOTE_CLOSE)
+                self._on_link_close(Link.wrap(fp.event_link(ev)), t == EV_LINK_REMOTE_CLOSE)
             elif t == EV_SSN_REMOTE_OPEN:
-                self._on_session_open(proton.Session.wrap(lib.pn_event_session(ev)))
+                self._on_session_open(proton.Session.wrap(fp.event_session(ev)))
             elif t == EV_SSN_REMOTE_CLOSE:
-                self._on_session_close(proton.Session.wrap(lib.pn_event_session(ev)))
+                self._on_session_close(proton.Session.wrap(fp.event_session(ev)))
             elif t == EV_CONN_REMOTE_OPEN:
                 self._on_open()
             elif t == EV_CONN_REMOTE_CLOSE:
@@ -376,7 +373,7 @@ class AmqpConnection:
     def _on_session_close(self, ssn: Any) -> None:
         ptr = ssn._impl
         for lptr, h in list(self.links.items()):
-            if lib.pn_link_session(lptr) == ptr:
+            if fp.link_session(lptr) == ptr:
                 self._detach_handler(lptr, h)
                 link = h.link
                 if link.state & proton.Endpoint.LOCAL_ACTIVE:

@@ -40,7 +40,7 @@ REQUIRED = (
     "pn_condition_set_description pn_link_credit pn_link_get_drain pn_link_drained "
     "pn_link_flow pn_transport_capacity pn_transport_push pn_transport_pending "
     "pn_transport_peek pn_transport_pop pn_transport_close_tail pn_transport_close_head "
-    "pn_transport_tick"
+    "pn_transport_tick pn_event_session pn_link_session"
 ).split()
 
 _missing = [n for n in REQUIRED if not hasattr(lib, n)]
@@ -76,6 +76,12 @@ link_advance = lib.pn_link_advance
 link_flow = lib.pn_link_flow
 unpack = ffi.unpack
 
+# Control-path accessors (raw event -> object-API wrapper, in connection.py)
+event_type = lib.pn_event_type
+event_link = lib.pn_event_link
+event_session = lib.pn_event_session
+link_session = lib.pn_link_session
+
 _peek = lib.pn_collector_peek
 _pop = lib.pn_collector_pop
 _etype = lib.pn_event_type
@@ -83,17 +89,6 @@ _edelivery = lib.pn_event_delivery
 _elink = lib.pn_event_link
 _dlink = lib.pn_delivery_link
 _readable = lib.pn_delivery_readable
-_partial = lib.pn_delivery_partial
-_aborted = lib.pn_delivery_aborted
-_pending = lib.pn_delivery_pending
-_recv = lib.pn_link_recv
-_advance = lib.pn_link_advance
-_delivery = lib.pn_delivery
-_send = lib.pn_link_send
-_settle = lib.pn_delivery_settle
-_update = lib.pn_delivery_update
-_remote_state = lib.pn_delivery_remote_state
-_remote_settled = lib.pn_delivery_settled
 _remote_disp = lib.pn_delivery_remote
 _local_disp = lib.pn_delivery_local
 _is_failed = lib.pn_disposition_is_failed
@@ -104,7 +99,6 @@ _cond_set_desc = lib.pn_condition_set_description
 _credit = lib.pn_link_credit
 _get_drain = lib.pn_link_get_drain
 _drained = lib.pn_link_drained
-_flow = lib.pn_link_flow
 _t_capacity = lib.pn_transport_capacity
 _t_push = lib.pn_transport_push
 _t_pending = lib.pn_transport_pending
@@ -113,7 +107,6 @@ _t_pop = lib.pn_transport_pop
 _t_close_tail = lib.pn_transport_close_tail
 _t_close_head = lib.pn_transport_close_head
 _t_tick = lib.pn_transport_tick
-_unpack = ffi.unpack
 _from_buffer = ffi.from_buffer
 NULL = ffi.NULL
 
@@ -170,27 +163,27 @@ class RecvBuffer:
 
     def receive(self, link: Any, d: Any) -> bytes | None:
         """The complete message of delivery `d`, or None while it is partial."""
-        if _partial(d) or not _readable(d):
+        if delivery_partial(d) or not _readable(d):
             return None
-        n = _pending(d)
+        n = delivery_pending(d)
         if n > self.size:
             self.size = n
             self.buf = ffi.new("char[]", n)
         buf = self.buf
-        got = _recv(link, buf, n)
-        _advance(link)
+        got = link_recv(link, buf, n)
+        link_advance(link)
         if got < 0:
             return b""
-        data: bytes = _unpack(buf, got)
+        data: bytes = unpack(buf, got)
         return data
 
 
 def aborted(d: Any) -> bool:
-    return bool(_aborted(d))
+    return bool(delivery_aborted(d))
 
 
 def remotely_settled(d: Any) -> bool:
-    return bool(_remote_settled(d))
+    return bool(delivery_settled(d))
 
 
 class Tagger:
@@ -214,30 +207,30 @@ class Tagger:
 
 
 def settle(d: Any) -> None:
-    _settle(d)
+    delivery_settle(d)
 
 
 def accept(d: Any) -> None:
-    _update(d, PN_ACCEPTED)
-    _settle(d)
+    delivery_update(d, PN_ACCEPTED)
+    delivery_settle(d)
 
 
 def reject(d: Any, condition: str, description: str) -> None:
     cond = _disp_condition(_local_disp(d))
     _cond_set_name(cond, condition.encode())
     _cond_set_desc(cond, description.encode())
-    _update(d, PN_REJECTED)
-    _settle(d)
+    delivery_update(d, PN_REJECTED)
+    delivery_settle(d)
 
 
 def release(d: Any) -> None:
-    _update(d, PN_RELEASED)
-    _settle(d)
+    delivery_update(d, PN_RELEASED)
+    delivery_settle(d)
 
 
 def outcome(d: Any) -> tuple[int, bool, bool]:
     """(remote state, delivery-failed, undeliverable-here) of a consumer's disposition."""
-    state = _remote_state(d)
+    state = delivery_remote_state(d)
     if state == PN_MODIFIED:
         disp = _remote_disp(d)
         return state, bool(_is_failed(disp)), bool(_is_undeliverable(disp))
@@ -257,7 +250,7 @@ def drained(link: Any) -> int:
 
 
 def flow(link: Any, n: int) -> None:
-    _flow(link, n)
+    link_flow(link, n)
 
 
 def push_input(transport: Any, data: bytes | bytearray | memoryview) -> int:
@@ -301,6 +294,11 @@ class OutputBuffer:
         n = min(n, self.size)
         _t_peek(transport, self.buf, n)
         return self.view[:n]
+
+
+def pending_output(transport: Any) -> int:
+    """Bytes of output the transport has ready (<0 once its output is closed)."""
+    return int(_t_pending(transport))
 
 
 def pop_output(transport: Any, n: int) -> None:

@@ -130,6 +130,7 @@ class BrokerApp:
             dispatch_batch=s.dispatch_batch,
             temporary_queue_prefix=s.temporary_queue_prefix,
             wake=self._deferred_lot.unpark_all,
+            global_max_size=s.global_max_size,
         )
         self.broker = broker
         for rq in recovered.queues:

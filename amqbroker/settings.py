@@ -251,6 +251,7 @@ class Settings(BaseSettings):
         default="tmp.", min_length=1
     )
     dispatch_batch: ConfigInt = Field(default=10000, ge=1)
+    global_max_size: ConfigInt = Field(default=1 << 30, ge=-1)
 
     # addresses
     address_settings: dict[AddressPattern, AddressSettings] = Field(

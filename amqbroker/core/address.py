@@ -10,13 +10,48 @@ resumed (granted credit again) when space returns; under FAIL the routing call r
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from amqbroker.core.queue import Queue
 
+log = logging.getLogger(__name__)
+
 ANYCAST = "anycast"
 MULTICAST = "multicast"
+
+
+class MemoryBudget:
+    """The broker-wide bound on message bytes held in queues (`global_max_size`).
+
+    Every queue adds and removes its messages' bytes here as well as on its address.
+    While the budget is spent, every address counts as full and applies its own full
+    policy (BLOCK: producers get no credit; FAIL: messages are rejected); addresses
+    whose producers wait on the budget are resumed when it has room again."""
+
+    __slots__ = ("limit", "used", "waiting", "warned")
+
+    def __init__(self, limit: int = -1) -> None:
+        #: -1 = unlimited
+        self.limit = limit
+        self.used = 0
+        self.waiting: set[Address] = set()
+        self.warned = False
+
+    @property
+    def full(self) -> bool:
+        return self.limit >= 0 and self.used >= self.limit
+
+    def release(self) -> None:
+        waiting = list(self.waiting)
+        self.waiting.clear()
+        self.warned = False
+        for a in waiting:
+            if not a.full:
+                a.unblock()
+            else:
+                self.waiting.add(a)
 
 
 class Producer(Protocol):
@@ -28,6 +63,7 @@ class Address:
     __slots__ = (
         "auto_created",
         "blocked_producers",
+        "budget",
         "full_policy",
         "max_size",
         "name",
@@ -47,6 +83,7 @@ class Address:
         max_size: int = -1,
         full_policy: str = "BLOCK",
         auto_created: bool = False,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.name = name
         self.routing = routing
@@ -58,15 +95,41 @@ class Address:
         self.full_policy = full_policy
         self.auto_created = auto_created
         self.blocked_producers: set[Producer] = set()
+        #: shared by every address of a broker
+        self.budget = budget if budget is not None else MemoryBudget()
         #: producer links currently attached with this address as target
         self.producers = 0
 
     @property
     def full(self) -> bool:
-        return self.max_size >= 0 and self.size >= self.max_size
+        """At its own max_size_bytes, or the broker's global_max_size is reached."""
+        return (self.max_size >= 0 and self.size >= self.max_size) or self.budget.full
+
+    def full_reason(self) -> str:
+        if self.max_size >= 0 and self.size >= self.max_size:
+            return (
+                f"address '{self.name}' is full ({self.size} of {self.max_size} bytes); "
+                "consume messages or raise max_size_bytes for this address"
+            )
+        b = self.budget
+        return (
+            f"the broker holds {b.used} bytes of messages, its global_max_size "
+            f"({b.limit}); consume messages or raise global_max_size"
+        )
 
     def block(self, producer: Producer) -> None:
         self.blocked_producers.add(producer)
+        b = self.budget
+        if b.full:
+            b.waiting.add(self)
+            if not b.warned:
+                b.warned = True
+                log.warning(
+                    "the broker holds %d bytes of messages, its global_max_size (%d): "
+                    "producers get no more credit until consumers make room",
+                    b.used,
+                    b.limit,
+                )
 
     def forget(self, producer: Producer) -> None:
         self.blocked_producers.discard(producer)

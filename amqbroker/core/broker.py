@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from amqbroker.core.address import ANYCAST, MULTICAST, Address
+from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
 from amqbroker.core.address_settings import (
     AddressSettingsRepository,
     QueueOptions,
@@ -66,6 +66,7 @@ class Broker:
         dispatch_batch: int = 10_000,
         temporary_queue_prefix: str = "tmp.",
         wake: Callable[[], object] | None = None,
+        global_max_size: int = -1,
     ) -> None:
         self.settings_repo = address_settings or AddressSettingsRepository({})
         self.store: Persistence = persistence or NoPersistence()
@@ -76,6 +77,8 @@ class Broker:
         self.temporary_queue_prefix = temporary_queue_prefix
         #: called when deferred work is pending (the event loop runs `run_deferred`)
         self.wake = wake
+        #: broker-wide bound on queued message bytes (-1 = unlimited)
+        self.budget = MemoryBudget(global_max_size)
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
         self._pending: dict[Queue, None] = {}
@@ -124,6 +127,7 @@ class Broker:
             settings=r,
             max_size=r.max_size_bytes,
             full_policy=r.address_full_policy,
+            budget=self.budget,
             auto_created=auto_created,
         )
         self.addresses[name] = a
@@ -205,7 +209,12 @@ class Broker:
             name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
         r = self.resolve(name)
         a = Address(
-            name, ANYCAST, settings=r, max_size=r.max_size_bytes, full_policy=r.address_full_policy
+            name,
+            ANYCAST,
+            settings=r,
+            max_size=r.max_size_bytes,
+            full_policy=r.address_full_policy,
+            budget=self.budget,
         )
         self.addresses[name] = a
         return self._create_queue(name, a, durable=False, temporary=True)
@@ -277,6 +286,7 @@ class Broker:
                 settings=r,
                 max_size=r.max_size_bytes,
                 full_policy=r.address_full_policy,
+                budget=self.budget,
                 auto_created=bool(attributes.get("auto_created")),
             )
             self.addresses[aname] = a
@@ -327,11 +337,9 @@ class Broker:
     # -------------------------------------------------------------- routing
     def route(self, a: Address, e: Entry) -> int:
         """Route one arriving message. Raises ResourceLimitExceeded (FAIL policy)."""
-        if a.max_size >= 0 and a.size >= a.max_size and a.full_policy == "FAIL":
+        if a.full_policy == "FAIL" and a.full:
             raise ResourceLimitExceeded(
-                f"address '{a.name}' is full ({a.size} of {a.max_size} bytes, "
-                "address_full_policy FAIL): the message was not accepted; consume "
-                "messages or raise max_size_bytes for this address"
+                f"{a.full_reason()} (address_full_policy FAIL): the message was not accepted"
             )
         qs = a.queues
         self.routed += 1

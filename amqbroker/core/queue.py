@@ -217,6 +217,7 @@ class Queue:
         a = self.address
         if a is not None:
             a.size += n
+            a.budget.used += n
         self.enqueued += 1
         if self.durable and e.durable:
             self._store.message_added(self.qid, e)
@@ -257,6 +258,7 @@ class Queue:
         a = self.address
         if a is not None:
             a.size += n
+            a.budget.used += n
 
     def _insert_main(self, e: Entry) -> None:
         """Insert at the seq position within its priority level."""
@@ -872,7 +874,11 @@ class Queue:
         a = self.address
         if a is not None:
             a.size -= n
-            if a.blocked_producers and a.size < a.max_size:
+            b = a.budget
+            b.used -= n
+            if b.waiting and b.used < b.limit:
+                b.release()
+            if a.blocked_producers and not a.full:
                 a.unblock()
         if self._undeliverable:
             self._undeliverable.pop(e, None)

@@ -247,7 +247,7 @@ class ProducerLink:
 
     def _top_up(self) -> None:
         a = self.address
-        if a is not None and a.max_size >= 0 and a.size >= a.max_size and a.full_policy != "FAIL":
+        if a is not None and a.full_policy != "FAIL" and a.full:
             if not self.blocked:
                 self.blocked = True
                 a.block(self)
@@ -331,7 +331,7 @@ class ProducerLink:
                 expiry = abs_exp
             e = Entry(data, durable, prio if prio < 10 else 9, expiry, dc, gid, gseq)
             qs = a.queues
-            if len(qs) == 1 and (a.max_size < 0 or a.full_policy != "FAIL"):
+            if len(qs) == 1 and not (a.full_policy == "FAIL" and a.full):
                 # the common case, without the generic router
                 q = qs[0]
                 q.enqueue(e)

@@ -493,3 +493,62 @@ async def test_bad_address_option_refuses_only_that_link(
     r = await c.receiver("perf", credit=1)
     await s.send(Message(body="still fine"))
     assert (await r.receive()).body == "still fine"
+
+
+async def test_global_max_size_blocks_producers_on_every_address(
+    make_broker: BrokerFactory, nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """global_max_size bounds the bytes held by all queues together: once reached,
+    producers on *other* addresses stop getting credit too (BLOCK), and all of them
+    get credit again when a consumer makes room anywhere."""
+    app = await make_broker(link_credit=4, global_max_size=2000)
+    port = app.listening[0][1]
+    p = await Client.connect(port, nursery=nursery)
+    c = await Client.connect(port, nursery=nursery)
+    try:
+        s1 = await p.sender("g.one")
+        sent = 0
+        while True:
+            await roundtrip(p)
+            if s1.credit == 0:
+                break
+            assert (await s1.send(Message(body="x" * 300))).remote_state == Delivery.ACCEPTED
+            sent += 1
+            assert sent < 50, "the broker never stopped granting credit"
+        assert app.broker is not None
+        assert app.broker.budget.used >= 2000
+        # a producer on another address, under no per-address limit, is held too
+        s2 = await p.sender("g.two")
+        await roundtrip(p)
+        assert s2.credit == 0
+        assert app.registry_sizes()["blocked_producers"] == 2
+        # consuming g.one makes room for both
+        r = await c.receiver("g.one", credit=sent)
+        for g in await r.receive_n(sent):
+            r.accept(g)
+        await roundtrip(c)
+        await p._wait(lambda: s1.credit > 0 and s2.credit > 0, 10)
+        assert (await s2.send(Message(body="ok"))).remote_state == Delivery.ACCEPTED
+    finally:
+        p.abort()
+        c.abort()
+
+
+async def test_global_max_size_with_fail_policy_rejects(
+    make_broker: BrokerFactory, nursery: trio.Nursery
+) -> None:
+    app = await make_broker(
+        global_max_size=1000, address_settings={"#": {"address_full_policy": "FAIL"}}
+    )
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
+    try:
+        s = await c.sender("gf.q")
+        states = [(await s.send(Message(body="y" * 300))).remote_state for _ in range(6)]
+        assert states[0] == Delivery.ACCEPTED
+        assert states[-1] == Delivery.REJECTED
+        d = await s.send(Message(body="y" * 300))
+        cond = d.remote.condition
+        assert cond is not None and cond.name == "amqp:resource-limit-exceeded"
+        assert "global_max_size" in (cond.description or "")
+    finally:
+        c.abort()

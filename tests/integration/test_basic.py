@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from proton import Delivery, Message
 
 from amqbroker.app import BrokerApp
+from tests.client import Client
 from tests.conftest import ConnectFactory, wait_idle
 
 
@@ -46,3 +49,21 @@ async def test_registries_empty_after_clients_leave(
     await c2.close()
     sizes = await wait_idle(broker)
     assert sizes == {k: 0 for k in sizes}, sizes
+
+
+async def test_several_listeners_share_one_broker(make_broker: Any, nursery: Any) -> None:
+    """extra_listeners: every listener serves the same broker (one queue seen from both)."""
+    app = await make_broker(extra_listeners=["127.0.0.1:0"])
+    assert len(app.listening) == 2
+    (_, p1), (_, p2) = app.listening
+    assert p1 != p2
+    a = await Client.connect(p1, nursery=nursery)
+    b = await Client.connect(p2, nursery=nursery)
+    try:
+        s = await a.sender("shared")
+        r = await b.receiver("shared", credit=1)
+        await s.send(Message(body="across listeners"))
+        assert (await r.receive()).body == "across listeners"
+    finally:
+        a.abort()
+        b.abort()

@@ -147,6 +147,10 @@ _IOV_MAX: Final = 512
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
+#: seconds between progress lines while a large journal is recovered
+PROGRESS_EVERY = 5.0
+
+
 class JournalError(Exception):
     """The journal cannot be used (see the message)."""
 
@@ -396,8 +400,19 @@ class Journal:
         torn = 0
         append_ok = False  # may we keep appending to the newest segment?
 
+        next_report = time.perf_counter() + PROGRESS_EVERY
         for i, segno in enumerate(numbers):
             last = i == len(numbers) - 1
+            if time.perf_counter() >= next_report:
+                # a large journal takes a while: say where we are
+                next_report += PROGRESS_EVERY
+                log.info(
+                    "journal %s: recovering, segment %d of %d, %d messages so far",
+                    self.directory,
+                    i + 1,
+                    len(numbers),
+                    sum(len(m) for m in msgs.values()),
+                )
             path = segment_path(self.directory, segno)
             with open(path, "rb") as f:
                 buf = f.read()

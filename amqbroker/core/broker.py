@@ -145,6 +145,12 @@ class Broker:
         name, options = _parse(address)
         a = self.addresses.get(name)
         if a is None:
+            if name.startswith(self.temporary_queue_prefix):
+                raise NotFound(
+                    f"temporary queue '{name}' does not exist (it was deleted with the "
+                    "link that created it); names with the temporary prefix are never "
+                    "auto-created"
+                )
             r = self.resolve(name)
             if not r.auto_create_addresses:
                 raise NotFound(

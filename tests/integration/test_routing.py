@@ -552,3 +552,23 @@ async def test_global_max_size_with_fail_policy_rejects(
         assert "global_max_size" in (cond.description or "")
     finally:
         c.abort()
+
+
+async def test_send_to_a_deleted_temporary_queue_is_refused(
+    broker: BrokerApp, connect: ConnectFactory
+) -> None:
+    """A reply to a temporary queue that no longer exists must not silently create a
+    permanent queue of that name (a JMS reply to a deleted TemporaryQueue)."""
+    c = await connect()
+    r = await c.receiver(None, dynamic=True, credit=1)
+    name = r.address
+    assert name is not None
+    await r.close()
+    assert broker.broker is not None
+    assert name not in broker.broker.queues
+    relay = await c.sender(None)
+    d = await relay.send(Message(address=name, body="late reply"))
+    assert d.remote_state == Delivery.REJECTED
+    assert d.remote.condition is not None
+    assert d.remote.condition.name == "amqp:not-found"
+    assert name not in broker.broker.queues

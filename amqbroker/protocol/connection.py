@@ -99,6 +99,19 @@ def _symbols(data: Any) -> set[str]:
         return set()
 
 
+def _filter_names(data: Any) -> set[str]:
+    """The keys of a source's filter set (empty when there is none)."""
+    if data is None:
+        return set()
+    data.rewind()
+    if not data.next():
+        return set()
+    obj = data.get_object()
+    if isinstance(obj, dict):
+        return {str(k) for k in obj}
+    return {"(unreadable filter)"}
+
+
 class AmqpConnection:
     def __init__(
         self,
@@ -422,6 +435,14 @@ class AmqpConnection:
 
     def _attach_consumer(self, link: Any) -> None:
         src = link.remote_source
+        filters = _filter_names(src.filter)
+        if filters:
+            # Qpid JMS never checks that a selector was applied: ignoring it would
+            # silently hand the consumer every message
+            raise NotImplementedFeature(
+                f"message filters are not supported by this broker yet (requested: "
+                f"{', '.join(sorted(filters))}); attach without a selector / no-local"
+            )
         caps = _symbols(src.capabilities)
         hint = next((_ROUTING_CAPS[c] for c in caps if c in _ROUTING_CAPS), None)
         broker = self.broker

@@ -401,3 +401,33 @@ async def test_connection_refused_link_state_does_not_leak(
     finally:
         c.abort()
     await wait_until(lambda: all_zero(app))
+
+
+async def test_consumer_with_a_selector_is_refused_not_ignored(
+    broker: BrokerApp, connect: ConnectFactory
+) -> None:
+    """Selectors are a later milestone. Qpid JMS never checks that a broker applied
+    its selector, so accepting the filter and ignoring it would hand the consumer
+    every message: the link is refused with amqp:not-implemented instead."""
+    c = await connect()
+    link = c._session.receiver("sel")
+    link.source.address = "sel.q"
+    f = link.source.filter
+    f.put_map()
+    f.enter()
+    f.put_symbol("jms-selector")
+    f.put_described()
+    f.enter()
+    f.put_ulong(0x0000468C00000004)
+    f.put_string("color = 'red'")
+    f.exit()
+    f.exit()
+    link.open()
+    r = Receiver(c, link)
+    with pytest.raises(ClientError, match=r"amqp:not-implemented: .*jms-selector"):
+        await r.wait_open()
+    # the connection is still usable without a filter
+    ok = await c.receiver("sel.q", credit=1)
+    s = await c.sender("sel.q")
+    await s.send(Message(body="plain"))
+    assert (await ok.receive()).body == "plain"

@@ -18,6 +18,7 @@ running under trio's autojump clock move the core's time too.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -155,14 +156,12 @@ class BrokerApp:
             output_high_water=s.output_high_water,
             output_low_water=s.output_low_water,
         )
-        self._refuse_limits = ConnectionLimits(
-            **{
-                **self._limits.__dict__,
-                "refuse_reason": (
-                    f"the broker has reached max_connections ({s.max_connections}); "
-                    "try again later or raise max_connections"
-                ),
-            }
+        self._refuse_limits = dataclasses.replace(
+            self._limits,
+            refuse_reason=(
+                f"the broker has reached max_connections ({s.max_connections}); "
+                "try again later or raise max_connections"
+            ),
         )
 
     # ------------------------------------------------------------------ run

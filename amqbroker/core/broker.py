@@ -236,6 +236,7 @@ class Broker:
         options: QueueOptions | None = None,
         subscription: bool = False,
         qid: int | None = None,
+        declare: bool = True,
     ) -> Queue:
         if qid is None:
             qid = self._next_qid
@@ -251,13 +252,13 @@ class Broker:
             durable=durable,
             temporary=temporary,
             auto_created=auto_created or subscription,
+            subscription=subscription,
             persistence=self.store,
             options=options.model_dump(exclude_none=True) if options else {},
         )
-        q.subscription = subscription  # type: ignore[attr-defined]
         address.queues.append(q)
         self.queues[name] = q
-        if durable:
+        if durable and declare:
             self.store.queue_declared(qid, name, self._queue_attributes(q))
         return q
 
@@ -297,28 +298,17 @@ class Broker:
             )
             self.addresses[aname] = a
         opts = QueueOptions(**attributes.get("options", {}))
-        q = self._create_queue_restored(name, a, qid, opts, bool(attributes.get("auto_created")))
-        q.restore(entries)
-        return q
-
-    def _create_queue_restored(
-        self, name: str, a: Address, qid: int, options: QueueOptions, auto: bool
-    ) -> Queue:
-        self._next_qid = max(self._next_qid, qid + 1)
-        q = Queue(
+        # already declared in the store: recreate it without a new record
+        q = self._create_queue(
             name,
-            self,
-            qid=qid,
-            address=a,
-            policy=self._policy(a.name, options),
+            a,
             durable=True,
-            auto_created=auto,
-            persistence=self.store,
-            options=options.model_dump(exclude_none=True),
+            auto_created=bool(attributes.get("auto_created")),
+            options=opts,
+            qid=qid,
+            declare=False,
         )
-        q.subscription = False  # type: ignore[attr-defined]
-        a.queues.append(q)
-        self.queues[name] = q
+        q.restore(entries)
         return q
 
     def delete_queue(self, q: Queue) -> list[Any]:
@@ -456,7 +446,7 @@ class Broker:
         an auto-created, empty queue whose settings say auto-delete."""
         if queue.deleted or queue.consumer_count:
             return
-        if getattr(queue, "subscription", False):
+        if queue.subscription:
             self.delete_queue(queue)
             return
         if queue.temporary or not queue.auto_created or queue.count:

@@ -123,6 +123,7 @@ class Queue:
         durable: bool = False,
         temporary: bool = False,
         auto_created: bool = False,
+        subscription: bool = False,
         persistence: Persistence | None = None,
         options: dict[str, Any] | None = None,
     ) -> None:
@@ -132,6 +133,8 @@ class Queue:
         self.durable = durable
         self.temporary = temporary
         self.auto_created = auto_created
+        #: a multicast subscriber's own queue: deleted when its consumer leaves
+        self.subscription = subscription
         #: queue options given in the address string (persisted with the queue)
         self.options = dict(options or {})
         self._host = host
@@ -184,9 +187,8 @@ class Queue:
         """Replace the policy; a change of grouping mode clears the group table."""
         old = getattr(self, "_policy", None)
         self._policy = policy
-        self.first_key = None if policy.group_buckets == 0 else policy.group_first_key
-        if policy.exclusive:
-            self.first_key = policy.group_first_key
+        grouped = policy.exclusive or policy.group_buckets != 0
+        self.first_key = policy.group_first_key if grouped else None
         if old is not None and (
             old.group_buckets != policy.group_buckets or old.exclusive != policy.exclusive
         ):
@@ -263,20 +265,9 @@ class Queue:
     def _insert_main(self, e: Entry) -> None:
         """Insert at the seq position within its priority level."""
         p = e.priority
-        dq = self._levels[p]
         self._main += 1
         self._top = max(self._top, p)
-        if not dq or dq[-1].seq < e.seq:
-            dq.append(e)
-        elif dq[0].seq > e.seq:
-            dq.appendleft(e)
-        else:
-            i = 0
-            for x in dq:
-                if x.seq > e.seq:
-                    break
-                i += 1
-            dq.insert(i, e)
+        _insert_by_seq(self._levels[p], e)
 
     def _merge_main(self, entries: list[Entry]) -> None:
         """Put back several messages at their seq positions: O(k log k) when they are
@@ -647,18 +638,8 @@ class Queue:
         c.inflight = 0
         released: list[Entry] = []
         for g in list(c.bound.values()):
-            g.owner = None
-            g.waiting = False
-            if g.stuck:
-                g.stuck = False
-                self._stuck_groups -= 1
-            if g.held:
-                continue
-            del self._groups[g.key]
-            if g.parked:
-                released.extend(g.parked)
-                g.parked = None
-        c.bound.clear()
+            g.waiting = False  # parked_groups is cleared at once below, not one by one
+            self._unbind(g, released)
         c.parked_groups.clear()
         for e in back:
             hg = self._groups.get(e.gkey) if e.gkey is not None else None
@@ -837,19 +818,10 @@ class Queue:
         self.dispatch()
 
     def _insert_parked(self, g: Group, e: Entry) -> None:
-        q = g.parked
-        if q is None:
+        if g.parked is None:
             g.parked = deque((e,))
-            return
-        if not q or q[0].seq > e.seq:
-            q.appendleft(e)
-            return
-        i = 0
-        for x in q:
-            if x.seq > e.seq:
-                break
-            i += 1
-        q.insert(i, e)
+        else:
+            _insert_by_seq(g.parked, e)
 
     def _count_failure(self, e: Entry) -> bool:
         """Increment delivery-count; dead-letter past max-delivery-attempts.
@@ -1127,6 +1099,21 @@ class Queue:
 
 def _seq(e: Entry) -> int:
     return e.seq
+
+
+def _insert_by_seq(dq: deque[Entry], e: Entry) -> None:
+    """Insert into a seq-sorted deque; O(1) at either end, where returns usually go."""
+    if not dq or dq[-1].seq < e.seq:
+        dq.append(e)
+    elif dq[0].seq > e.seq:
+        dq.appendleft(e)
+    else:
+        i = 0
+        for x in dq:
+            if x.seq > e.seq:
+                break
+            i += 1
+        dq.insert(i, e)
 
 
 def _unsettled(c: Consumer) -> Iterable[Entry]:

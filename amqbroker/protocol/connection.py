@@ -83,14 +83,19 @@ class ConnectionLimits:
     refuse_reason: str = ""  # non-empty: close the connection right after open
 
 
+def _first_object(data: Any) -> Any:
+    """The value held by a terminus field (proton.Data), or None when it is empty."""
+    if data is None:
+        return None
+    data.rewind()
+    return data.get_object() if data.next() else None
+
+
 def _symbols(data: Any) -> set[str]:
     """The symbols in a terminus capabilities field (array, list or single)."""
-    if data is None:
+    obj = _first_object(data)
+    if obj is None:
         return set()
-    data.rewind()
-    if not data.next():
-        return set()
-    obj = data.get_object()
     if isinstance(obj, str):
         return {str(obj)}
     try:
@@ -101,12 +106,9 @@ def _symbols(data: Any) -> set[str]:
 
 def _filter_names(data: Any) -> set[str]:
     """The keys of a source's filter set (empty when there is none)."""
-    if data is None:
+    obj = _first_object(data)
+    if obj is None:
         return set()
-    data.rewind()
-    if not data.next():
-        return set()
-    obj = data.get_object()
     if isinstance(obj, dict):
         return {str(k) for k in obj}
     return {"(unreadable filter)"}
@@ -549,15 +551,8 @@ class AmqpConnection:
         del self.links[ptr]
         h.detach(self.broker, failed)
 
-    def detach_consumer(self, h: ConsumerLink, condition: str, description: str) -> None:
-        """Close a consumer link from our side (its queue was deleted, ...)."""
-        if self.links.get(h.ptr) is h:
-            self._detach_handler(h.ptr, h)
-            h.link.condition = Condition(condition, description)
-            h.link.close()
-            self.mark_dirty()
-
-    def detach_producer(self, h: ProducerLink, condition: str, description: str) -> None:
+    def detach_link(self, h: ConsumerLink | ProducerLink, condition: str, description: str) -> None:
+        """Close a link from our side (its queue was deleted, message too large...)."""
         if self.links.get(h.ptr) is h:
             self._detach_handler(h.ptr, h)
             h.link.condition = Condition(condition, description)

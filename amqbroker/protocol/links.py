@@ -274,7 +274,7 @@ class ProducerLink:
         n = delivery_pending(d)
         if delivery_partial(d):
             if n > self.max_size:
-                self.conn.detach_producer(
+                self.conn.detach_link(
                     self,
                     "amqp:link:message-size-exceeded",
                     f"message larger than the maximum of {self.max_size} bytes "
@@ -387,6 +387,6 @@ class ProducerLink:
         if self.temporary_queue is not None and not self.temporary_queue.deleted:
             for c in broker.delete_queue(self.temporary_queue):
                 if isinstance(c, ConsumerLink):
-                    c.conn.detach_consumer(
+                    c.conn.detach_link(
                         c, "amqp:resource-deleted", "the temporary queue was deleted"
                     )

@@ -424,6 +424,7 @@ async def test_consumer_with_a_selector_is_refused_not_ignored(
     f.exit()
     link.open()
     r = Receiver(c, link)
+    await c._flush()  # send the attach (Client.receiver does this itself)
     with pytest.raises(ClientError, match=r"amqp:not-implemented: .*jms-selector"):
         await r.wait_open()
     # the connection is still usable without a filter

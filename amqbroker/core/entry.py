@@ -24,12 +24,15 @@ from typing import Any
 class Entry:
     __slots__ = (
         "data",
+        "deliver_at",
         "delivery_count",
         "durable",
         "expiry",
+        "fields",
         "gkey",
         "group_id",
         "group_seq",
+        "origin",
         "priority",
         "seq",
         "store_ref",
@@ -64,6 +67,13 @@ class Entry:
         self.gkey: Any = None
         #: opaque slot for the store (e.g. the journal segment holding the record)
         self.store_ref = 0
+        #: scheduled delivery time in epoch milliseconds (JMS delivery delay); 0 = now
+        self.deliver_at = 0
+        #: the decoded fields a selector reads, cached on first evaluation (None until
+        #: then; filled by the protocol layer, opaque to the core)
+        self.fields: Any = None
+        #: id of the connection that sent the message (no-local); None when unknown
+        self.origin: str | None = None
 
     @property
     def size(self) -> int:
@@ -80,6 +90,9 @@ class Entry:
             self.group_id,
             self.group_seq,
         )
+        e.deliver_at = self.deliver_at
+        e.fields = self.fields
+        e.origin = self.origin
         return e
 
     def __repr__(self) -> str:

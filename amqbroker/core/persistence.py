@@ -24,6 +24,12 @@ class Persistence(Protocol):
 
     def delivery_count_updated(self, qid: int, entry: Entry) -> None: ...
 
+    def begin_atomic(self) -> None:
+        """Records buffered from here to `end_atomic` survive a crash all together or
+        not at all (a transaction's commit). Not nested."""
+
+    def end_atomic(self) -> None: ...
+
 
 class NoPersistence:
     """Used for non-durable queues and in core tests."""
@@ -41,4 +47,10 @@ class NoPersistence:
         pass
 
     def delivery_count_updated(self, qid: int, entry: Entry) -> None:
+        pass
+
+    def begin_atomic(self) -> None:
+        pass
+
+    def end_atomic(self) -> None:
         pass

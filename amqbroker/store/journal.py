@@ -4,9 +4,11 @@ Theory of operation
 -------------------
 Every change to durable state (queue declared/deleted, durable message added, acked,
 delivery count changed) becomes one record (see `amqbroker.store.records` for the byte
-layout). The core calls the `Persistence` methods on the event-loop thread; they only
-encode the record and append it to an in-memory buffer, never touching the disk. The
-application's committer then runs the group-commit cycle::
+layout; a message is written as an ADD2 record, which carries `Entry.deliver_at`, and
+ADD records of earlier versions are still read, with ``deliver_at = 0``). The core calls
+the `Persistence` methods on the event-loop thread; they only encode the record and
+append it to an in-memory buffer, never touching the disk. The application's committer
+then runs the group-commit cycle::
 
     while (batch := journal.take_batch()) is not None:     # event loop: grab the buffer
         await to_thread(journal.write_batch, batch)         # worker: write + fsync
@@ -35,6 +37,29 @@ Files in the directory: ``segment-<n:08d>.log`` (numbers increase, never reused)
 ``LOCK`` (fcntl.flock'ed for the life of the open journal, holds the owner's pid) and,
 only after corruption, ``segment-<n:08d>.log.corrupt`` (see Recovery).
 
+Atomic groups (transactions)
+----------------------------
+`begin_atomic` opens a group; until `end_atomic` the records of the `Persistence` calls
+(ADD, ACK, DCOUNT, also QUEUE/QUEUE_DEL, any number of queues) go to the group instead
+of the buffer. `end_atomic` appends them as ONE TXN record (a record whose payload is
+the sub-records, see `records`), so the whole group has one CRC and one frame: after a
+crash it is either entirely there or it is a torn/corrupt record and entirely dropped.
+An empty group writes nothing; a group of one record writes that plain record. Groups
+do not nest (JournalError). Read `batch_no` after `end_atomic` to wait for the group.
+
+The accounting is done at each call as usual, against the segment that is the append
+segment when the group starts (``_AtomicGroup.segno``): message_added inserts the Entry
+there and sets `store_ref`, message_acked removes it from its segment, so calls within
+the group see each other (an ack of a message added in the same group finds it). If at
+`end_atomic` the TXN record does not fit and rolls to a new segment, the live state of
+the group (entries it added, QUEUE records it placed, if still live) moves to that
+segment. While a group is open compaction does nothing new (no relocation step, no
+segment is retired): a retirement mark taken then would not cover the group's ACKs,
+which are not in the buffer yet, and relocation could roll the append segment under
+the group's accounting. Segments already retired may still be deleted (nothing in a
+group can refer to them). The group is expected to open and close within one
+event-loop step; a journal closed with a group open discards it (with a warning).
+
 When a record counts as durable
 -------------------------------
 A record is durable when `write_batch` returned for the batch containing it: its bytes
@@ -46,15 +71,21 @@ settled only after `synced_batch_no` covers its ADD.
 
 Recovery (`open`)
 -----------------
-Segments are replayed in number order; each queue's messages are rebuilt as a map
-``seq -> Entry``: ADD inserts (a later ADD for the same (qid, seq) - a compaction copy -
+Segments are replayed in number order; each queue's messages are rebuilt as a map ``seq
+-> Entry``: ADD inserts (a later ADD for the same (qid, seq) - a compaction copy -
 replaces the earlier one), ACK removes, DCOUNT sets the delivery count of a live
 message, QUEUE_DEL drops the queue and all its messages, and anything referring to a
-message or queue not live is ignored. Messages of queues without a QUEUE record at the
-end are dropped (with a warning) - that only happens after corruption.
+message or queue not live is ignored. A TXN record is decoded completely first (any bad
+sub-record makes the whole TXN an ERROR-logged skipped record) and its sub-records are
+then applied in order, exactly as if they were records at the TXN's place (an Entry from
+an ADD inside a TXN has the TXN's segment as `store_ref`). Messages of queues without a
+QUEUE record at the end are dropped (with a warning) - that only happens after
+corruption.
 
 A problem at the tail of the newest segment (header or payload running past the end of
-the file, or a CRC failure with nothing valid after it) is a torn write: one WARNING
+the file, or a CRC failure with nothing valid after it) is a torn write - for a TXN
+record, the whole group is dropped (sub-records do not pass for records, so the partial
+payload of a torn TXN does not look like valid data after the tear): one WARNING
 line, the file is truncated there and appending continues after it. Any other bad
 record (corruption of already-synced data) is logged as an ERROR with file and offset
 and the rest of that segment is skipped; if that is the newest segment the file is left
@@ -65,24 +96,28 @@ inspection. Corrupt data never raises; only I/O errors and a held lock do.
 Compaction (bounded disk)
 -------------------------
 Per segment the journal tracks its size and its live bytes: ADD records of messages not
-yet acked or deleted, and the current QUEUE record of each live queue. ACK, DCOUNT and
-QUEUE_DEL records are dead once written: they only cancel or amend records in the same
-or OLDER segments. That is why segments are only ever deleted oldest first: deleting a
-newer segment while an older one survives could drop the ACK of a message whose ADD
-survives, i.e. resurrect an acked message.
+yet acked or deleted, and the current QUEUE record of each live queue, whether
+stand-alone or inside a TXN record (a sub-record counts with the size of the stand-alone
+record; the TXN frame itself is never live). ACK, DCOUNT and QUEUE_DEL records are dead
+once written: they only cancel or amend records in the same or OLDER segments. That is
+why segments are only ever deleted oldest first: deleting a newer segment while an older
+one survives could drop the ACK of a message whose ADD survives, i.e. resurrect an acked
+message.
 
 When the oldest sealed segment has no live records, or the journal exceeds
 `compact_min_bytes` and that segment's live ratio (or the whole journal's) is below
 `compact_live_ratio`, its live records are re-appended at the head through the normal
 buffer - QUEUE records first, then ADD records with the current delivery count and the
-same seq - at most `_RELOCATE_RECORDS` records / `_RELOCATE_BYTES` bytes per
-`batch_done`, so a step never stalls the event loop. Each relocated Entry's `store_ref`
-moves to its new segment. Once the segment is empty, the journal notes the current
-`batch_no` (which covers the last relocated record and every ACK that killed a record of
-the segment); after that batch is synced, the next batch carries the unlink (plus a
-directory fsync), and the segment leaves the accounting when that batch is done. A crash
-at any point leaves either the old records or both copies, and replay treats a second
-ADD of the same (qid, seq) as a replacement, so nothing is lost or resurrected.
+same seq, always as individual records (a live ADD of a TXN is re-appended alone: its
+group is committed already, so it no longer needs the group's frame) - at most
+`_RELOCATE_RECORDS` records / `_RELOCATE_BYTES` bytes per `batch_done`, so a step never
+stalls the event loop. Each relocated Entry's `store_ref` moves to its new segment. Once
+the segment is empty, the journal notes the current `batch_no` (which covers the last
+relocated record and every ACK that killed a record of the segment); after that batch is
+synced, the next batch carries the unlink (plus a directory fsync), and the segment
+leaves the accounting when that batch is done. A crash at any point leaves either the
+old records or both copies, and replay treats a second ADD of the same (qid, seq) as a
+replacement, so nothing is lost or resurrected.
 
 Using the whole-journal ratio as a second trigger keeps a long-lived message in the
 oldest segment from pinning every newer (dead) segment behind it: the oldest segment is
@@ -128,6 +163,7 @@ from amqbroker.store.records import (
     encode_dcount,
     encode_queue,
     encode_queue_del,
+    encode_txn,
     record_length_at,
 )
 
@@ -222,6 +258,79 @@ class _QueueInfo:
         self.rec_size = rec_size
 
 
+class _AtomicGroup:
+    """Records buffered between `begin_atomic` and `end_atomic`."""
+
+    __slots__ = ("added", "queues", "records", "segno")
+
+    def __init__(self, segno: int) -> None:
+        #: the segment the group's live records are accounted in until `end_atomic`
+        self.segno = segno
+        #: encoded records, in order
+        self.records: list[bytes] = []
+        #: entries added in the group (their accounting may move at `end_atomic`)
+        self.added: list[tuple[int, Entry]] = []
+        #: QUEUE records placed in the group
+        self.queues: list[tuple[int, _QueueInfo]] = []
+
+
+class _Replay:
+    """Recovery state: the live queues and messages after the records replayed so far."""
+
+    __slots__ = ("max_qid", "msgs", "queues")
+
+    def __init__(self) -> None:
+        #: qid -> (name, attributes, segment number, QUEUE record size)
+        self.queues: dict[int, tuple[str, dict[str, Any], int, int]] = {}
+        self.msgs: dict[int, dict[int, Entry]] = {}
+        self.max_qid = 0
+
+    @staticmethod
+    def decode(rtype: int, payload: memoryview) -> Any:
+        """The decoded record (raises CorruptRecord; TXN is handled by the caller)."""
+        if rtype in (rec.ADD2, rec.ADD):
+            return rec.decode_add(payload, rtype)
+        if rtype == rec.ACK:
+            return rec.decode_ack(payload)
+        if rtype == rec.DCOUNT:
+            return rec.decode_dcount(payload)
+        if rtype == rec.QUEUE:
+            return (*rec.decode_queue(payload), RECORD_HEADER_SIZE + len(payload))
+        if rtype == rec.QUEUE_DEL:
+            return rec.decode_qid(payload)
+        raise CorruptRecord(f"unknown record type {rtype}")
+
+    def apply(self, rtype: int, value: Any, segno: int) -> None:
+        """Apply one record decoded by `decode`, found in segment `segno`."""
+        qid: int
+        if rtype in (rec.ADD2, rec.ADD):
+            qid, entry = value
+            entry.store_ref = segno
+            m = self.msgs.get(qid)
+            if m is None:
+                m = self.msgs[qid] = {}
+            m[entry.seq] = entry
+        elif rtype == rec.ACK:
+            qid, seq = value
+            m = self.msgs.get(qid)
+            if m is not None:
+                m.pop(seq, None)
+        elif rtype == rec.DCOUNT:
+            qid, seq, dc = value
+            m = self.msgs.get(qid)
+            if m is not None and (e := m.get(seq)) is not None:
+                e.delivery_count = dc
+        elif rtype == rec.QUEUE:
+            qid, name, attrs, size = value
+            self.queues[qid] = (name, attrs, segno, size)
+        else:  # QUEUE_DEL
+            qid = value
+            self.queues.pop(qid, None)
+            self.msgs.pop(qid, None)
+        if qid > self.max_qid:
+            self.max_qid = qid
+
+
 class _Chunk:
     """Buffered records destined for one segment, in log order."""
 
@@ -283,6 +392,7 @@ class Journal:
         self._open_records = 0
         self._synced_batch_no = 0
         self._outstanding: Batch | None = None
+        self._atomic: _AtomicGroup | None = None
 
         # -- compaction
         self._reloc_seg = 0  # segment being relocated (0 = none)
@@ -309,6 +419,7 @@ class Journal:
         self._st_relocated = 0
         self._st_deleted = 0
         self._st_recovery_ms = 0.0
+        self._st_atomic_groups = 0
 
     # ================================================================= open / close
 
@@ -347,6 +458,13 @@ class Journal:
             return
         self._closed = True
         self._usable = False
+        if self._atomic is not None:
+            log.warning(
+                "journal %s closed inside an atomic group; its %d records are discarded",
+                self.directory,
+                len(self._atomic.records),
+            )
+            self._atomic = None
         if self._buffered_records or self._outstanding is not None:
             log.warning(
                 "journal %s closed with %d buffered records not written",
@@ -394,10 +512,11 @@ class Journal:
             for p in self.directory.iterdir()
             if (match := _SEGMENT_RE.match(p.name)) is not None
         )
-        queues: dict[int, tuple[str, dict[str, Any], int, int]] = {}
-        msgs: dict[int, dict[int, Entry]] = {}
-        max_qid = 0
+        replay = _Replay()
+        queues = replay.queues
+        msgs = replay.msgs
         torn = 0
+        max_qid = 0  # of the records not applied through `replay`
         append_ok = False  # may we keep appending to the newest segment?
 
         next_report = time.perf_counter() + PROGRESS_EVERY
@@ -442,10 +561,13 @@ class Journal:
             seg = _Segment(segno, len(buf))
             self._segs[segno] = seg
             reader = SegmentReader(buf)
+            decode = replay.decode
+            apply = replay.apply
             for off, rtype, payload in reader.records():
                 try:
-                    if rtype == rec.ADD:
-                        qid, entry = rec.decode_add(payload)
+                    # the frequent records inline (as `_Replay.apply` does them)
+                    if rtype == rec.ADD2:
+                        qid, entry = rec.decode_add(payload, rtype)
                         entry.store_ref = segno
                         m = msgs.get(qid)
                         if m is None:
@@ -456,25 +578,21 @@ class Journal:
                         m = msgs.get(qid)
                         if m is not None:
                             m.pop(seq, None)
-                    elif rtype == rec.DCOUNT:
-                        qid, seq, dc = rec.decode_dcount(payload)
-                        m = msgs.get(qid)
-                        if m is not None and (e := m.get(seq)) is not None:
-                            e.delivery_count = dc
-                    elif rtype == rec.QUEUE:
-                        qid, name, attrs = rec.decode_queue(payload)
-                        queues[qid] = (name, attrs, segno, RECORD_HEADER_SIZE + len(payload))
-                    elif rtype == rec.QUEUE_DEL:
-                        qid = rec.decode_qid(payload)
-                        queues.pop(qid, None)
-                        msgs.pop(qid, None)
+                    elif rtype == rec.TXN:
+                        # decode every sub-record before applying any: all or nothing
+                        ops = [(t, decode(t, p)) for t, p in rec.decode_txn(payload)]
+                        for t, value in ops:
+                            apply(t, value, segno)
+                        continue
                     else:
-                        raise CorruptRecord(f"unknown record type {rtype}")
+                        apply(rtype, decode(rtype, payload), segno)
+                        continue
                 except CorruptRecord as exc:
                     torn += 1
                     log.error("journal %s at offset %d: %s; record skipped", path, off, exc)
                     continue
-                max_qid = max(max_qid, qid)
+                if qid > max_qid:
+                    max_qid = qid
 
             if reader.problem is None:
                 append_ok = last
@@ -552,7 +670,7 @@ class Journal:
             self._segs[nxt] = _Segment(nxt, SEGMENT_HEADER_SIZE)
             self._total_bytes += SEGMENT_HEADER_SIZE
             self._wsegno = nxt - 1  # the writer creates segment nxt on first write
-        return Recovered(out, max_qid, torn)
+        return Recovered(out, max(max_qid, replay.max_qid), torn)
 
     def _fsync_dir(self) -> None:
         if self._sync and self._dir_fd is not None:
@@ -596,6 +714,18 @@ class Journal:
         self._open_records += 1
         return seg
 
+    def _put(self, record: bytes) -> _Segment:
+        """Buffer a record of a `Persistence` call: into the atomic group if one is open.
+
+        Returns the segment to account the record's live state in (for a group, the
+        segment the group started in, see `end_atomic`).
+        """
+        g = self._atomic
+        if g is None:
+            return self._append(record)
+        g.records.append(record)
+        return self._segs[g.segno]
+
     def _check_open(self) -> None:
         if not self._opened or self._closed:
             raise JournalError("journal is not open")
@@ -613,7 +743,9 @@ class Journal:
             s.live_records -= 1
             self._live_bytes -= old.rec_size
             self._live_records -= 1
-        seg = self._append(record)
+        seg = self._put(record)
+        if self._atomic is not None:
+            self._atomic.queues.append((qid, info))
         info.segno = seg.no
         self._queues[qid] = info
         seg.live_bytes += info.rec_size
@@ -641,7 +773,7 @@ class Journal:
                 dropped += len(m)
         self._live_bytes -= dropped_bytes
         self._live_records -= dropped
-        self._append(encode_queue_del(qid))
+        self._put(encode_queue_del(qid))
 
     def message_added(self, qid: int, entry: Entry) -> None:
         if not entry.durable:
@@ -659,7 +791,13 @@ class Journal:
         if qid not in self._queues:
             raise JournalError(f"message_added for queue {qid}, which was never declared")
         record = encode_add(qid, entry)
-        seg = self._append(record)
+        g = self._atomic
+        if g is None:
+            seg = self._append(record)
+        else:
+            g.records.append(record)
+            g.added.append((qid, entry))
+            seg = self._segs[g.segno]
         m = seg.msgs.get(qid)
         if m is None:
             m = seg.msgs[qid] = {}
@@ -691,7 +829,7 @@ class Journal:
         s.live_records -= 1
         self._live_bytes -= n
         self._live_records -= 1
-        self._append(encode_ack(qid, seq))
+        self._put(encode_ack(qid, seq))
 
     def delivery_count_updated(self, qid: int, entry: Entry) -> None:
         self._check_open()
@@ -701,7 +839,64 @@ class Journal:
         m = s.msgs.get(qid)
         if m is None or entry.seq not in m:
             return
-        self._append(encode_dcount(qid, entry.seq, entry.delivery_count))
+        self._put(encode_dcount(qid, entry.seq, entry.delivery_count))
+
+    # ================================================================= atomic groups
+
+    def begin_atomic(self) -> None:
+        """Start an atomic group: the records of the `Persistence` calls up to
+        `end_atomic` are written as one TXN record (all or nothing after a crash)."""
+        self._check_open()
+        if self._atomic is not None:
+            raise JournalError("begin_atomic inside an atomic group (groups do not nest)")
+        self._atomic = _AtomicGroup(self._append_seg)
+
+    def end_atomic(self) -> None:
+        """Close the atomic group: append its records as one TXN record.
+
+        Read `batch_no` after this call to know when the group is durable. An empty
+        group writes nothing; a group of one record writes that record as it is.
+        """
+        g = self._atomic
+        if g is None:
+            raise JournalError("end_atomic without begin_atomic")
+        self._atomic = None
+        records = g.records
+        if not records:
+            return
+        record = records[0] if len(records) == 1 else encode_txn(records)
+        seg = self._append(record)
+        self._st_atomic_groups += 1
+        if seg.no != g.segno:
+            self._move_group(g, self._segs[g.segno], seg)
+
+    def _move_group(self, g: _AtomicGroup, old: _Segment, seg: _Segment) -> None:
+        """The group's record went to `seg` (a roll): move its live state from `old`."""
+        for qid, e in g.added:
+            m = old.msgs.get(qid)
+            seq = e.seq
+            if m is None or m.get(seq) is not e:
+                continue  # acked or its queue deleted within the group
+            del m[seq]
+            if not m:
+                del old.msgs[qid]
+            tm = seg.msgs.get(qid)
+            if tm is None:
+                tm = seg.msgs[qid] = {}
+            tm[seq] = e
+            e.store_ref = seg.no
+            n = add_record_size(e)
+            old.live_bytes -= n
+            old.live_records -= 1
+            seg.live_bytes += n
+            seg.live_records += 1
+        for qid, info in g.queues:
+            if self._queues.get(qid) is info and info.segno == old.no:
+                info.segno = seg.no
+                old.live_bytes -= info.rec_size
+                old.live_records -= 1
+                seg.live_bytes += info.rec_size
+                seg.live_records += 1
 
     # ================================================================= group commit
 
@@ -872,7 +1067,9 @@ class Journal:
     # ================================================================= compaction
 
     def _compaction_bookkeeping(self) -> None:
-        if self._reloc_seg:
+        if self._atomic is not None:
+            pass  # relocation waits: the group's live state sits in the append segment
+        elif self._reloc_seg:
             self._relocate_step()
         else:
             # segments without live records need no relocation: retire a run of them at once
@@ -983,6 +1180,7 @@ class Journal:
             "records_relocated": self._st_relocated,
             "segments_deleted": self._st_deleted,
             "recovery_ms": self._st_recovery_ms,
+            "atomic_groups": self._st_atomic_groups,
         }
 
 

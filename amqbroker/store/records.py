@@ -25,10 +25,24 @@ Record types and payloads:
 
 - QUEUE (1): ``[u64 qid][u32 name length][name utf-8][attributes as JSON utf-8 ...]``
 - QUEUE_DEL (2): ``[u64 qid]``
-- ADD (3): ``[u64 qid][u64 seq][u8 priority][i64 expiry][i64 group_seq]
-  [u32 delivery_count][i32 group-id length, -1 = absent][group-id utf-8][data ...]``
+- ADD (3, read only): ``[u64 qid][u64 seq][u8 priority][i64 expiry][i64 group_seq]
+  [u32 delivery_count][i32 group-id length, -1 = absent][group-id utf-8][data ...]``.
+  Written by earlier versions; decoded with ``deliver_at = 0``. Never written now.
 - ACK (4): ``[u64 qid][u64 seq]``
 - DCOUNT (5): ``[u64 qid][u64 seq][u32 delivery_count]``
+- ADD2 (6): ``[u64 qid][u64 seq][u8 priority][i64 expiry][i64 deliver_at][i64 group_seq]
+  [u32 delivery_count][i32 group-id length, -1 = absent][group-id utf-8][data ...]``.
+  What `encode_add` writes: ADD plus `Entry.deliver_at` (epoch ms, 0 = deliver now).
+- TXN (7): ``[sub-record][sub-record]...`` - an atomic group (a transaction's commit).
+  Each sub-record is framed exactly like a record (9-byte header, then payload) except
+  that its CRC field holds ``crc ^ TXN_SUB_CRC_XOR``. Sub-records are of the types
+  above except TXN (no nesting). The outer CRC covers them all, so the group is valid
+  (and applied, sub-record by sub-record in order) or torn/corrupt (and applied not at
+  all). The XOR makes sure a sub-record never passes for a top-level record, so the
+  bytes of a torn TXN at the tail look like garbage to `valid_record_after` and the
+  tail is recognized as torn rather than as corruption followed by valid records.
+  A sub-record has the same size as the stand-alone record, so an ADD inside a TXN
+  still occupies `add_record_size` bytes.
 
 Invariants
 ----------
@@ -37,9 +51,16 @@ Invariants
   corruption (anywhere else); `SegmentReader` reports the offset and the reason and the
   journal decides what to do.
 - Message identity is ``(qid, seq)``: `Entry.seq` is per queue.
-- `add_record_size` computes the exact encoded size of an ADD record from an `Entry`
+- `add_record_size` computes the exact encoded size of an ADD2 record from an `Entry`
   without encoding it; the journal's live-byte accounting relies on it being equal to
-  ``len(encode_add(...))``.
+  ``len(encode_add(...))``. It does not depend on `deliver_at` (ADD2 always carries
+  it), so the core may change `deliver_at` of a stored entry without upsetting the
+  accounting. (An old ADD record is 8 bytes smaller than `add_record_size` says; the
+  journal counts it at `add_record_size` throughout, consistently, until compaction
+  rewrites it as ADD2.)
+- Only `data`, `durable` (implied), `priority`, `expiry`, `deliver_at`, `group_id`,
+  `group_seq`, `delivery_count` and `seq` of an `Entry` are persisted; `fields`,
+  `origin` and `gkey` are not.
 """
 
 from __future__ import annotations
@@ -52,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Final
 from amqbroker.core.entry import Entry
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
 
 SEGMENT_MAGIC: Final = b"AMQJRNL\x00"
 SEGMENT_VERSION: Final = 1
@@ -67,22 +88,29 @@ QUEUE_DEL: Final = 2
 ADD: Final = 3
 ACK: Final = 4
 DCOUNT: Final = 5
+ADD2: Final = 6
+TXN: Final = 7
 RECORD_TYPES: Final = {
     QUEUE: "QUEUE",
     QUEUE_DEL: "QUEUE_DEL",
     ADD: "ADD",
     ACK: "ACK",
     DCOUNT: "DCOUNT",
+    ADD2: "ADD2",
+    TXN: "TXN",
 }
+#: XORed into the CRC field of a sub-record of a TXN record
+TXN_SUB_CRC_XOR: Final = 0x54584E31
 
 _QUEUE: Final = struct.Struct("<QI")
 _QID: Final = struct.Struct("<Q")
-_ADD: Final = struct.Struct("<QQBqqIi")
+_ADD: Final = struct.Struct("<QQBqqIi")  # old format, decoded only
+_ADD2: Final = struct.Struct("<QQBqqqIi")
 _ACK: Final = struct.Struct("<QQ")
 _DCOUNT: Final = struct.Struct("<QQI")
 
-#: bytes of an ADD record besides the group id and the message data
-ADD_OVERHEAD: Final = RECORD_HEADER_SIZE + _ADD.size
+#: bytes of an ADD2 record besides the group id and the message data
+ADD_OVERHEAD: Final = RECORD_HEADER_SIZE + _ADD2.size
 
 _U32_MAX: Final = 0xFFFFFFFF
 _TYPE_CRC: Final = {t: zlib.crc32(bytes([t])) for t in RECORD_TYPES}
@@ -137,22 +165,23 @@ def encode_add(qid: int, entry: Entry) -> bytes:
         gid = gid_str.encode()
         gid_len = len(gid)
     data = entry.data
-    fixed = _ADD.pack(
+    fixed = _ADD2.pack(
         qid,
         entry.seq,
         entry.priority,
         entry.expiry,
+        entry.deliver_at,
         entry.group_seq,
         min(entry.delivery_count, _U32_MAX),
         gid_len,
     )
-    crc = zlib.crc32(data, zlib.crc32(gid, zlib.crc32(fixed, _TYPE_CRC[ADD])))
-    head = _REC_HEADER.pack(len(fixed) + len(gid) + len(data), crc, ADD)
+    crc = zlib.crc32(data, zlib.crc32(gid, zlib.crc32(fixed, _TYPE_CRC[ADD2])))
+    head = _REC_HEADER.pack(len(fixed) + len(gid) + len(data), crc, ADD2)
     return b"".join((head, fixed, gid, data))
 
 
 def add_record_size(entry: Entry) -> int:
-    """Exact size of ``encode_add(qid, entry)``."""
+    """Exact size of ``encode_add(qid, entry)`` (an ADD2 record)."""
     gid = entry.group_id
     return ADD_OVERHEAD + len(entry.data) + (0 if gid is None else len(gid.encode()))
 
@@ -163,6 +192,25 @@ def encode_ack(qid: int, seq: int) -> bytes:
 
 def encode_dcount(qid: int, seq: int, delivery_count: int) -> bytes:
     return _frame(DCOUNT, _DCOUNT.pack(qid, seq, min(delivery_count, _U32_MAX)))
+
+
+def encode_txn(records: Sequence[bytes]) -> bytes:
+    """One TXN record holding the given encoded records (any type but TXN), in order."""
+    parts: list[bytes | memoryview] = []
+    crc = _TYPE_CRC[TXN]
+    total = 0
+    for r in records:
+        length, rcrc, rtype = _REC_HEADER.unpack_from(r, 0)
+        if rtype == TXN or rtype not in RECORD_TYPES:
+            raise ValueError(f"record type {rtype} cannot go into a TXN record")
+        if RECORD_HEADER_SIZE + length != len(r):
+            raise ValueError("not exactly one encoded record")
+        head = _REC_HEADER.pack(length, rcrc ^ TXN_SUB_CRC_XOR, rtype)
+        body = memoryview(r)[RECORD_HEADER_SIZE:]
+        crc = zlib.crc32(body, zlib.crc32(head, crc))
+        parts += (head, body)
+        total += len(r)
+    return b"".join([_REC_HEADER.pack(total, crc, TXN), *parts])
 
 
 # --------------------------------------------------------------------------- decoding
@@ -196,11 +244,21 @@ def decode_qid(p: memoryview) -> int:
     return qid
 
 
-def decode_add(p: memoryview) -> tuple[int, Entry]:
-    """(qid, a new durable Entry with seq and all persisted fields set)."""
+def decode_add(p: memoryview, rtype: int = ADD2) -> tuple[int, Entry]:
+    """(qid, a new durable Entry with seq and all persisted fields set).
+
+    `rtype` is the record type: ADD2, or the old ADD (``deliver_at`` = 0).
+    """
     try:
-        qid, seq, prio, expiry, gseq, dc, gid_len = _ADD.unpack_from(p, 0)
-        start = _ADD.size
+        if rtype == ADD2:
+            qid, seq, prio, expiry, deliver_at, gseq, dc, gid_len = _ADD2.unpack_from(p, 0)
+            start = _ADD2.size
+        elif rtype == ADD:
+            qid, seq, prio, expiry, gseq, dc, gid_len = _ADD.unpack_from(p, 0)
+            deliver_at = 0
+            start = _ADD.size
+        else:
+            raise CorruptRecord(f"record type {rtype} is not an ADD record")
         if gid_len < 0:
             gid = None
         else:
@@ -220,6 +278,7 @@ def decode_add(p: memoryview) -> tuple[int, Entry]:
         group_seq=gseq,
     )
     entry.seq = seq
+    entry.deliver_at = deliver_at
     return qid, entry
 
 
@@ -235,6 +294,33 @@ def decode_dcount(p: memoryview) -> tuple[int, int, int]:
         raise CorruptRecord(f"DCOUNT payload has {len(p)} bytes")
     qid, seq, dc = _DCOUNT.unpack_from(p, 0)
     return qid, seq, dc
+
+
+def decode_txn(p: memoryview) -> list[tuple[int, memoryview]]:
+    """The sub-records of a TXN record as ``(type, payload)``, in order.
+
+    Raises CorruptRecord (and returns nothing) if any sub-record is badly framed, fails
+    its CRC, is a TXN or of an unknown type: a TXN is applied whole or not at all.
+    """
+    out: list[tuple[int, memoryview]] = []
+    size = len(p)
+    off = 0
+    unpack = _REC_HEADER.unpack_from
+    while off < size:
+        if off + RECORD_HEADER_SIZE > size:
+            raise CorruptRecord(f"TXN sub-record header cut short at {off}")
+        length, crc, rtype = unpack(p, off)
+        body = off + RECORD_HEADER_SIZE
+        if body + length > size:
+            raise CorruptRecord(f"TXN sub-record at {off} runs past the record")
+        if rtype == TXN or rtype not in RECORD_TYPES:
+            raise CorruptRecord(f"TXN sub-record at {off} has type {rtype}")
+        payload = p[body : body + length]
+        if zlib.crc32(payload, _TYPE_CRC[rtype]) != crc ^ TXN_SUB_CRC_XOR:
+            raise CorruptRecord(f"TXN sub-record at {off}: CRC mismatch")
+        out.append((rtype, payload))
+        off = body + length
+    return out
 
 
 class SegmentReader:

@@ -472,7 +472,7 @@ def test_corruption_in_older_segment(tmp_path: Path, caplog: pytest.LogCaptureFi
     first = segs[0]
     recs = record_offsets(first)
     adds = [
-        (off, records.decode_add(memoryview(p))[1].seq) for off, t, p in recs if t == records.ADD
+        (off, records.decode_add(memoryview(p))[1].seq) for off, t, p in recs if t == records.ADD2
     ]
     mid = len(adds) // 2
     bad_off = adds[mid][0]
@@ -696,7 +696,7 @@ def newest_add_segment(directory: Path) -> dict[tuple[int, int], int]:
     out: dict[tuple[int, int], int] = {}
     for p in segments(directory):
         for _, rtype, payload in record_offsets(p):
-            if rtype == records.ADD:
+            if rtype == records.ADD2:
                 qid, e = records.decode_add(memoryview(payload))
                 out[(qid, e.seq)] = int(p.name[8:16])
     return out

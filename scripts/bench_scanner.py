@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from proton import Message, byte, symbol, ulong
+from proton import Message, byte, symbol, timestamp, ulong
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from amqbroker.protocol import scanner
@@ -41,6 +41,16 @@ def _messages() -> dict[str, bytes]:
         return bytes(Message(**args).encode())
 
     msgs["JMS text, no group"] = jms()
+    # Qpid JMS sends the delivery time as a long; other clients as a timestamp
+    msgs["JMS text, x-opt-delivery-time long"] = jms(
+        annotations={**ann, symbol("x-opt-delivery-time"): 1700000060123}
+    )
+    msgs["JMS text, x-opt-delivery-time timestamp"] = jms(
+        annotations={**ann, symbol("x-opt-delivery-time"): timestamp(1700000060123)}
+    )
+    msgs["JMS text, x-opt-delivery-delay"] = jms(
+        annotations={**ann, symbol("x-opt-delivery-delay"): 5000}
+    )
     msgs["JMS text, properties.group-id"] = jms(group_id="customer-42", group_sequence=7)
     msgs["JMS text, JMSXGroupID fallback"] = jms(
         properties={"JMSXGroupID": "customer-42", "JMSXGroupSeq": 7, "customer": "acme"}
@@ -93,6 +103,7 @@ def main() -> None:
         20_000,
     )
     _bench("message_id", lambda: scanner.message_id(jms), 20_000)
+    _bench("jms_dest", lambda: scanner.jms_dest(jms), 20_000)
     _bench("application_properties", lambda: scanner.application_properties(jms), 20_000)
 
 

@@ -11,8 +11,9 @@ lossy: re-encoding normalises types (an AMQP ``byte`` annotation such as Qpid JM
 ``x-opt-jms-msg-type`` would come back as an ``int``/``long`` and break the JMS client).
 So at arrival `scan` walks the encoded sections *just far enough* to read the handful
 of fields the broker routes and dispatches on (header durable/priority/ttl/
-delivery-count, properties to/absolute-expiry-time/group-id/group-sequence, and the
-group fallback application properties) and returns them as a flat tuple. Everything
+delivery-count, properties to/absolute-expiry-time/group-id/group-sequence, the
+group fallback application properties and the JMS delayed-delivery annotations) and
+returns them as a flat tuple. Everything
 else is skipped by its encoded size; no intermediate objects are built and the body is
 never parsed.
 
@@ -54,7 +55,9 @@ What is validated
   runs past the end of its list or of the data (truncation). Every section is framed,
   including the body sections and the footer, so the last section must end exactly at
   the end of the data;
-* a string it actually reads (to, group-id, the fallback group id) is not UTF-8.
+* a string it actually reads (to, group-id, the fallback group id) is not UTF-8;
+* a map it walks (application-properties for the group fallback, message-annotations
+  for delayed delivery, see below) has an odd count or an entry overrunning the map.
 
 A message without a body section is accepted (proton encodes an empty Message as just
 header and properties).
@@ -67,12 +70,27 @@ the group id is the first *string* application property of JMSXGroupID, then
 _AMQ_GROUP_ID; likewise an absent group-sequence comes from JMSXGroupSeq, then
 _AMQ_GROUP_SEQUENCE (any integral type, folded to signed 32 bits). Application
 properties are only walked when a fallback is needed and the raw section contains
-one of the key names (a substring test in C). Parts that the scan skips
-by size (annotation and application-properties entries, the properties fields after
-group-sequence, the body content) are not looked inside: the map splices walk the map
-they modify and may raise `ScanError` for a malformation inside it that `scan` did not
-look at. Every header field is framed, so `set_delivery_count` never fails on a message
-`scan` accepted.
+one of the key names (a substring test in C).
+
+Delayed delivery (JMS 2.0 delivery delay, as Qpid JMS and ActiveMQ Artemis encode it):
+``delivery_time`` is the message annotation ``x-opt-delivery-time`` (absolute epoch
+ms; a long, as Qpid JMS sends it, a timestamp, or any other integral type) and
+``delivery_delay`` the annotation ``x-opt-delivery-delay`` (ms; any integral type, not
+a timestamp). Both read 0 when absent, of another type, or not positive; only symbol
+keys match (annotation keys are symbols), and the first entry with a given key wins.
+Both can be present: which one applies is the caller's decision (Artemis prefers the
+time). The message-annotations map is only walked when its raw bytes contain
+``x-opt-delivery-`` (``bytes.find`` within the section), so a message without these
+annotations pays one substring test. Delivery-annotations are never read.
+
+Parts that the scan skips by size (annotation and application-properties entries
+outside these walks, the properties fields after group-sequence, the body content) are
+not looked inside: the map splices walk the map they modify and may raise `ScanError`
+for a malformation inside it that `scan` did not look at. Every header field is framed,
+so `set_delivery_count` never fails on a message `scan` accepted.
+
+`jms_dest` (not on the hot path) reads the JMS destination type annotation
+``x-opt-jms-dest`` with the same map walk.
 
 Truncated or corrupt input never raises anything but `ScanError` (no IndexError,
 struct.error or UnicodeDecodeError escapes), and no input can cause deep recursion:
@@ -94,6 +112,7 @@ __all__ = [
     "add_application_property",
     "add_message_annotations",
     "application_properties",
+    "jms_dest",
     "message_id",
     "scan",
     "set_delivery_count",
@@ -106,8 +125,9 @@ class ScanError(ValueError):
     The message says what was wrong and at which offset."""
 
 
-Scanned: TypeAlias = tuple[bool, int, int, int, int, str | None, int, str | None]
-"""(durable, priority, ttl_ms, absolute_expiry_ms, delivery_count, group_id, group_seq, to)"""
+Scanned: TypeAlias = tuple[bool, int, int, int, int, str | None, int, str | None, int, int]
+"""(durable, priority, ttl_ms, absolute_expiry_ms, delivery_count, group_id, group_seq, to,
+delivery_time_ms, delivery_delay_ms)"""
 
 # --------------------------------------------------------------------------- tables
 
@@ -200,6 +220,12 @@ _GROUP_KEYS = {
     b"JMSXGroupSeq": 2,
     b"_AMQ_GROUP_SEQUENCE": 3,
 }
+
+# message annotations of delayed delivery (symbol keys)
+_DELIVERY_KEYS = {b"x-opt-delivery-time": 0, b"x-opt-delivery-delay": 1}
+_DELIVERY_KEY_SIZES = frozenset(len(k) for k in _DELIVERY_KEYS)
+_JMS_DEST_KEY = {b"x-opt-jms-dest": 0}
+_JMS_DEST_KEY_SIZES = frozenset(len(k) for k in _JMS_DEST_KEY)
 
 _LIST_SHAPES = frozenset((0x40, 0x45, 0xC0, 0xD0))
 _MAP_SHAPES = frozenset((0x40, 0xC1, 0xD1))
@@ -437,6 +463,78 @@ def _app_group(data: bytes, p: int) -> tuple[str | None, str | None, int | None,
     return ids[0], ids[1], seqs[0], seqs[1]
 
 
+def _symbol_keyed(data: bytes, p: int, keys: dict[bytes, int], sizes: frozenset[int]) -> list[int]:
+    """Walk the annotations map whose value is at `p` (map8/map32; anything else reads
+    as empty). For each key of `keys` (raw symbol bytes -> index; `sizes` holds their
+    lengths) return the offset of the value of its first entry with a symbol key, or
+    -1. Every entry is skipped by size; the value at an offset returned ends inside the
+    map. Raises ScanError for an odd count or an entry overrunning the map
+    (IndexError/struct.error when the data ends first)."""
+    found = [-1] * len(keys)
+    c = data[p]
+    if c == 0xC1:
+        end = p + 2 + data[p + 1]
+        cnt = data[p + 2]
+        q = p + 3
+    elif c == 0xD1:
+        size, cnt = _U32x2(data, p + 1)
+        end = p + 5 + size
+        q = p + 9
+    else:
+        return found
+    if cnt & 1:
+        raise ScanError(f"annotations map at offset {p} has an odd count {cnt}")
+    for _ in range(cnt >> 1):
+        if q >= end:
+            break
+        c = data[q]
+        if c == 0xA3:
+            k = data[q + 1]
+            ks = q + 2
+        elif c == 0xB3:
+            k = _U32(data, q + 1)[0]
+            ks = q + 5
+        else:
+            q = _skip(data, q, 2)
+            continue
+        q = ks + k
+        if k in sizes:  # (a C-level test first: most keys are of other lengths)
+            if q > end:
+                break
+            i = keys.get(data[ks:q])
+            if i is not None and found[i] < 0:
+                found[i] = q
+        # the value; fixed-width (the usual annotation values) inline
+        w = _WIDTH[data[q]]
+        q = q + w if w > 0 else _skip(data, q)
+    if q > end:
+        raise ScanError(f"annotations map at offset {p} overruns its size")
+    return found
+
+
+def _delivery_ms(data: bytes, q: int, timestamp_ok: bool) -> int:
+    """The integral (or, when `timestamp_ok`, timestamp) value at `q` when positive,
+    else 0."""
+    c = data[q]
+    if c == 0x81 or (c == 0x83 and timestamp_ok):
+        v = int(_I64(data, q + 1)[0])
+    else:
+        v = _integral(data, q) or 0
+    return v if v > 0 else 0
+
+
+def _delayed_delivery(data: bytes, p: int) -> tuple[int, int]:
+    """(delivery_time, delivery_delay) from the message-annotations value at `p`."""
+    try:
+        t, d = _symbol_keyed(data, p, _DELIVERY_KEYS, _DELIVERY_KEY_SIZES)
+        return (
+            _delivery_ms(data, t, True) if t >= 0 else 0,
+            _delivery_ms(data, d, False) if d >= 0 else 0,
+        )
+    except (IndexError, struct.error):
+        raise ScanError(f"message-annotations at offset {p} overrun the end of the data") from None
+
+
 # --------------------------------------------------------------------------- scan
 
 
@@ -444,7 +542,8 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
     """Read the routing fields of an encoded message (see the module docstring).
 
     Returns (durable, priority, ttl_ms, absolute_expiry_ms, delivery_count, group_id,
-    group_seq, to). Raises ScanError for malformed or truncated data."""
+    group_seq, to, delivery_time_ms, delivery_delay_ms). Raises ScanError for malformed
+    or truncated data."""
     # Hot path: constructor and section codes are literals (a module constant costs a
     # dict lookup); the usual encodings are tested first and everything else goes
     # through _skip. Reads past the end raise IndexError/struct.error, turned into
@@ -463,6 +562,8 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
     to: str | None = None
     ap = -1  # offset of the application-properties value, if any
     ap_end = 0
+    ma = -1  # offset of the message-annotations value, if any
+    ma_end = 0
     last = 0x6F  # code of the previous section (0x6F: none yet)
     p = 0
     start = 0  # offset of the current section (for error messages)
@@ -691,6 +792,9 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
                 if code == 0x74:
                     ap = p
                     ap_end = e
+                elif code == 0x72:
+                    ma = p
+                    ma_end = e
                 p = e
 
             elif code != 0x78:
@@ -750,7 +854,10 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
             gid = jid if jid is not None else aid
         if not have_gseq:
             gseq = jseq if jseq is not None else aseq if aseq is not None else 0
-    return (durable, priority, ttl, expiry, dcount, gid, gseq, to)
+    if ma >= 0 and data.find(b"x-opt-delivery-", ma, ma_end) >= 0:
+        dtime, ddelay = _delayed_delivery(data, ma)
+        return (durable, priority, ttl, expiry, dcount, gid, gseq, to, dtime, ddelay)
+    return (durable, priority, ttl, expiry, dcount, gid, gseq, to, 0, 0)
 
 
 # --------------------------------------------------------------------------- slow path
@@ -1072,6 +1179,30 @@ def message_id(data: bytes) -> str | int | bytes | uuid.UUID | None:
     if isinstance(value, int) and c in _INTEGRAL:
         return value
     raise ScanError(f"message-id at offset {p} has unsupported type constructor 0x{c:02x}")
+
+
+def jms_dest(data: bytes) -> int | None:
+    """The JMS destination type of the message annotation ``x-opt-jms-dest``: 0 queue,
+    1 topic, 2 temporary queue, 3 temporary topic (Qpid JMS sends an AMQP byte).
+
+    None when the annotation is absent (only a symbol key matches; the first such entry
+    wins), is not a byte/ubyte, holds any other number, or when the message or its
+    message-annotations are malformed: never raises. Not on the hot path: frames every
+    section (like the splices) and walks the message-annotations map."""
+    try:
+        sec = _find(_sections(data), _MESSAGE_ANNOTATIONS)
+        if sec is None:
+            return None
+        (q,) = _symbol_keyed(data, sec[2], _JMS_DEST_KEY, _JMS_DEST_KEY_SIZES)
+        if q < 0:
+            return None
+        c = data[q]
+        if c in {0x51, 0x50}:  # byte, ubyte
+            v = data[q + 1]
+            return v if v <= 3 else None
+    except (ScanError, IndexError, struct.error):
+        return None
+    return None
 
 
 def application_properties(data: bytes) -> dict[str, object]:

@@ -43,6 +43,7 @@ from amqbroker.protocol.scanner import (
     add_application_property,
     add_message_annotations,
     application_properties,
+    jms_dest,
     message_id,
     scan,
     set_delivery_count,
@@ -167,7 +168,30 @@ def expected(data: bytes, app_fallback: bool = True) -> Scanned:
     assert (dcount or 0) == m.delivery_count
     assert to == m.address
     assert gid == m.group_id or m.group_id is None
-    return (bool(m.durable), m.priority, ttl, expiry, m.delivery_count, gid, gseq, to)
+    ann = value_of(data, MA) or {}
+    return (
+        bool(m.durable),
+        m.priority,
+        ttl,
+        expiry,
+        m.delivery_count,
+        gid,
+        gseq,
+        to,
+        annotation_ms(ann, "x-opt-delivery-time", timestamp_ok=True),
+        annotation_ms(ann, "x-opt-delivery-delay", timestamp_ok=False),
+    )
+
+
+def annotation_ms(ann: dict[Any, Any], key: str, timestamp_ok: bool) -> int:
+    """What scan() reads for a delayed-delivery annotation, from proton's decoding."""
+    values = [v for k, v in ann.items() if type(k) is symbol and k == key]
+    if not values:
+        return 0
+    v = values[0]
+    if is_integral(v) or (timestamp_ok and type(v) is timestamp):
+        return max(int(v), 0)
+    return 0
 
 
 def norm(v: Any) -> tuple[str, Any]:
@@ -317,10 +341,24 @@ def app_properties_st(draw: st.DrawFn) -> dict[str, Any]:
 
 
 annotation_values = st.one_of(
-    st.none(), st.booleans(), st.text(max_size=10), typed_ints, symbols(5)
+    st.none(),
+    st.booleans(),
+    st.text(max_size=10),
+    typed_ints,
+    symbols(5),
+    st.integers(-(2**40), 2**42).map(timestamp),
 )
 annotation_keys = st.one_of(
-    st.sampled_from(["x-opt-jms-msg-type", "x-opt-jms-dest", "x-opt-a", "x-opt-b"]),
+    st.sampled_from(
+        [
+            "x-opt-jms-msg-type",
+            "x-opt-jms-dest",
+            "x-opt-a",
+            "x-opt-b",
+            "x-opt-delivery-time",
+            "x-opt-delivery-delay",
+        ]
+    ),
     st.text(alphabet="abcdefgxyz-", min_size=1, max_size=12),
 ).map(symbol)
 
@@ -487,26 +525,26 @@ def test_scan_multiple_data_sections_and_footer(
 
 def test_typical_messages() -> None:
     data = bytes.fromhex("005370c0020141") + data_section(b"x" * 80)
-    assert scan(data) == (True, 4, 0, 0, 0, None, 0, None)
+    assert scan(data) == (True, 4, 0, 0, 0, None, 0, None, 0, 0)
     data = bytes.fromhex("005370c0020141") + data_section(b"x" * 300)  # vbin32
-    assert scan(data) == (True, 4, 0, 0, 0, None, 0, None)
+    assert scan(data) == (True, 4, 0, 0, 0, None, 0, None, 0, 0)
     data = jms_text(group_id="g1", group_sequence=3, ttl=5, expiry_time=1700000005.0)
-    assert scan(data) == (True, 4, 5000, 1700000005000, 0, "g1", 3, "orders")
+    assert scan(data) == (True, 4, 5000, 1700000005000, 0, "g1", 3, "orders", 0, 0)
     assert scan(data) == expected(data)
 
 
 def test_header_field_encodings() -> None:
     # durable as 0x56 0x01, priority 9, ttl as uint32, first-acquirer, delivery-count uint32
     data = hdr("5601", "5009", "7000010000", "41", "7000000102") + BODY
-    assert scan(data) == expected(data) == (True, 9, 65536, 0, 258, None, 0, None)
+    assert scan(data) == expected(data) == (True, 9, 65536, 0, 258, None, 0, None, 0, 0)
     # smalluint / uint0 variants, explicit nulls and an extension field
     data = hdr("5600", "40", "5207", "40", "43", "a10178") + BODY
-    assert scan(data) == expected(data) == (False, 4, 7, 0, 0, None, 0, None)
+    assert scan(data) == expected(data) == (False, 4, 7, 0, 0, None, 0, None, 0, 0)
     data = hdr("42", "50ff", "43", "42", "52ff") + BODY
-    assert scan(data) == expected(data) == (False, 255, 0, 0, 255, None, 0, None)
+    assert scan(data) == expected(data) == (False, 255, 0, 0, 255, None, 0, None, 0, 0)
     # wrong types read as absent, like proton does
     data = hdr("5401", "5405", "a100", "40", "a100") + BODY
-    assert scan(data) == expected(data) == (False, 4, 0, 0, 0, None, 0, None)
+    assert scan(data) == expected(data) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
     # list0 and null headers
     assert scan(b"\x00\x53\x70\x45" + BODY)[:5] == (False, 4, 0, 0, 0)
     assert scan(b"\x00\x53\x70\x40" + BODY)[:5] == (False, 4, 0, 0, 0)
@@ -523,23 +561,23 @@ def test_properties_field_encodings() -> None:
         )
         + BODY
     )
-    assert scan(data) == (False, 4, 0, -1, 0, "G", 5, "abc")
+    assert scan(data) == (False, 4, 0, -1, 0, "G", 5, "abc", 0, 0)
     # group-sequence as uint0: present, so no fallback
     data = props_list(*nulls, "40", "40", str8("g"), "43") + app_map(("JMSXGroupSeq", "5509"))
-    assert scan(data + BODY) == (False, 4, 0, 0, 0, "g", 0, None)
+    assert scan(data + BODY) == (False, 4, 0, 0, 0, "g", 0, None, 0, 0)
     # uint edge cases for group-sequence
     for raw, seq in (("70ffffffff", -1), ("7080000000", -(2**31)), ("707fffffff", 2**31 - 1)):
         data = props_list(*nulls, "40", "40", "40", raw) + BODY
         assert scan(data)[6] == seq
     # symbol to / group-id, int group-sequence: wrong types read as absent
     data = props_list("40", "40", str8("q", 0xA3), *nulls[:6], "40", str8("g", 0xA3), "5405")
-    assert scan(data + BODY) == expected(data + BODY) == (False, 4, 0, 0, 0, None, 0, None)
+    assert scan(data + BODY) == expected(data + BODY) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
     # an empty group id is a group id
     data = props_list(*nulls, "40", "40", str8("")) + app_map(("JMSXGroupID", str8("x")))
     assert scan(data + BODY)[5] == ""
     # properties list as list0/null and a short list
-    assert scan(b"\x00\x53\x73\x45" + BODY) == (False, 4, 0, 0, 0, None, 0, None)
-    assert scan(b"\x00\x53\x73\x40" + BODY) == (False, 4, 0, 0, 0, None, 0, None)
+    assert scan(b"\x00\x53\x73\x45" + BODY) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
+    assert scan(b"\x00\x53\x73\x40" + BODY) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
     assert scan(props_list("40", "40", str8("q")) + BODY)[7] == "q"
 
 
@@ -577,8 +615,8 @@ def test_properties_field_encodings() -> None:
 )
 def test_group_fallback(pairs: list[tuple[str, str]], group_id: str | None, group_seq: int) -> None:
     data = app_map(*pairs) + BODY
-    assert scan(data) == (False, 4, 0, 0, 0, group_id, group_seq, None)
-    assert scan(data, app_fallback=False) == (False, 4, 0, 0, 0, None, 0, None)
+    assert scan(data) == (False, 4, 0, 0, 0, group_id, group_seq, None, 0, 0)
+    assert scan(data, app_fallback=False) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
     assert scan(props_list("40") + data) == scan(data)
 
 
@@ -586,13 +624,13 @@ def test_properties_win_over_application_properties() -> None:
     nulls = ["40"] * 10
     ap = app_map(("JMSXGroupID", str8("j")), ("_AMQ_GROUP_ID", str8("a")), ("JMSXGroupSeq", "5509"))
     data = props_list(*nulls, str8("p"), "5203") + ap + BODY
-    assert scan(data) == (False, 4, 0, 0, 0, "p", 3, None)
+    assert scan(data) == (False, 4, 0, 0, 0, "p", 3, None, 0, 0)
     # group-id from properties, sequence still falls back when absent
     data = props_list(*nulls, str8("p")) + ap + BODY
-    assert scan(data) == (False, 4, 0, 0, 0, "p", 9, None)
+    assert scan(data) == (False, 4, 0, 0, 0, "p", 9, None, 0, 0)
     # a null group-id falls back
     data = props_list(*nulls, "40", "5203") + ap + BODY
-    assert scan(data) == (False, 4, 0, 0, 0, "j", 3, None)
+    assert scan(data) == (False, 4, 0, 0, 0, "j", 3, None, 0, 0)
     # a message built by proton: JMSXGroupID applies only when group-id is unset
     msg = jms_text(properties={"JMSXGroupID": "j", "JMSXGroupSeq": int32(-1)})
     assert scan(msg)[5:7] == ("j", -1)
@@ -605,7 +643,225 @@ def test_fallback_ignores_keys_elsewhere() -> None:
     # the key names appear in annotations and as an application property *value*
     ma = b"\x00\x53\x72" + bytes.fromhex("c10f02" + str8("JMSXGroupID", 0xA3) + "41")
     data = ma + app_map(("k", str8("JMSXGroupID"))) + BODY
-    assert scan(data) == (False, 4, 0, 0, 0, None, 0, None)
+    assert scan(data) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
+
+
+# --------------------------------------------------------------------------- delayed delivery
+
+JMS_ANN = {symbol("x-opt-jms-msg-type"): byte(5), symbol("x-opt-jms-dest"): byte(0)}
+DTIME = symbol("x-opt-delivery-time")
+DDELAY = symbol("x-opt-delivery-delay")
+T = 1700000060123
+
+
+def ma_section(*entries: str) -> bytes:
+    """A message-annotations section (map8) from hex-encoded key+value entries."""
+    return b"\x00\x53\x72" + map8(*entries)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "want"),
+    [
+        ({}, (0, 0)),
+        ({DTIME: T}, (T, 0)),  # a long, as Qpid JMS sends it
+        ({DTIME: timestamp(T)}, (T, 0)),
+        ({DDELAY: 5000}, (0, 5000)),
+        ({DDELAY: 100}, (0, 100)),  # smalllong
+        ({DTIME: T, DDELAY: 5000}, (T, 5000)),  # both: the caller decides
+        ({DDELAY: ulong(7), DTIME: uint(9)}, (9, 7)),  # other integral types
+        ({DDELAY: int32(7), DTIME: ubyte(9)}, (9, 7)),
+        ({DDELAY: -5000, DTIME: -T}, (0, 0)),  # negative: no delay
+        ({DDELAY: timestamp(5000)}, (0, 0)),  # a delay is not a timestamp
+        ({DTIME: str(T), DDELAY: "5000"}, (0, 0)),  # wrong types read as absent
+        ({DTIME: float(T), DDELAY: True}, (0, 0)),
+        ({DTIME: None, DDELAY: symbol("x")}, (0, 0)),
+        ({symbol("x-opt-delivery-times"): T, symbol("x-opt-delivery-"): 5}, (0, 0)),
+    ],
+)
+def test_delayed_delivery(annotations: dict[symbol, Any], want: tuple[int, int]) -> None:
+    data = jms_text(annotations={**JMS_ANN, **annotations})
+    assert scan(data)[8:] == want
+    assert scan(data) == expected(data)
+    assert scan(data)[:8] == scan(jms_text())[:8]
+    # the same entries in a map8 (proton writes map32), and alone
+    ma = raw_section(data, MA)
+    assert ma is not None
+    assert ma[3] == 0xD1
+    small = b"\x00\x53\x72" + widen(ma[3:])
+    assert small[3] == 0xC1
+    assert scan(data.replace(ma, small))[8:] == want
+    if annotations:
+        assert scan(jms_text(annotations=annotations))[8:] == want
+
+
+def test_delayed_delivery_encodings() -> None:
+    ts = "83" + T.to_bytes(8, "big").hex()
+    # sym32 key, first entry wins, string keys and delivery-annotations are not read
+    sym32 = "b3" + (19).to_bytes(4, "big").hex() + b"x-opt-delivery-time".hex()
+    data = ma_section(sym32 + ts) + BODY
+    assert scan(data)[8:] == (T, 0)
+    data = ma_section(
+        str8("x-opt-delivery-delay", 0xA3) + "5505", str8("x-opt-delivery-delay", 0xA3) + "5507"
+    )
+    assert scan(data + BODY)[8:] == (0, 5)
+    data = ma_section(str8("x-opt-delivery-delay") + "5505") + BODY
+    assert scan(data)[8:] == (0, 0)
+    da = b"\x00\x53\x71" + map8(str8("x-opt-delivery-delay", 0xA3) + "5505")
+    assert scan(da + BODY)[8:] == (0, 0)
+    assert scan(da + ma_section(str8("x-opt-delivery-delay", 0xA3) + "5506") + BODY)[8:] == (0, 6)
+    # the key name as a value, or inside a binary value, is not a key
+    data = ma_section(str8("a", 0xA3) + str8("x-opt-delivery-time", 0xA3)) + BODY
+    assert scan(data)[8:] == (0, 0)
+    blob = b"\xa3\x13x-opt-delivery-time\x55\x05"
+    data = ma_section(str8("a", 0xA3) + str8(blob, 0xA0)) + BODY
+    assert scan(data)[8:] == (0, 0)
+    # non-symbol keys and compound/described values are skipped by size
+    data = ma_section(
+        "5501" + "c0020140",
+        str8("b", 0xA3) + "005303" + "5501",
+        str8("x-opt-delivery-delay", 0xA3) + "7000000100",
+    )
+    assert scan(data + BODY)[8:] == (0, 256)
+    # a count larger than the entries present: the walk stops at the end of the map
+    body = bytes.fromhex(str8("x-opt-delivery-delay", 0xA3) + "5509")
+    data = b"\x00\x53\x72" + bytes((0xC1, len(body) + 1, 6)) + body + BODY
+    assert scan(data)[8:] == (0, 9)
+    # null message-annotations
+    assert scan(b"\x00\x53\x72\x40" + BODY)[8:] == (0, 0)
+
+
+KEY_DELAY = str8("x-opt-delivery-delay", 0xA3)
+# malformed message-annotations holding a delivery key: scan() walks them and rejects
+MALFORMED_ANNOTATIONS = [
+    b"\x00\x53\x72\xc1" + bytes((len(bytes.fromhex(KEY_DELAY)) + 1, 1)) + bytes.fromhex(KEY_DELAY),
+    ma_section(KEY_DELAY + "81" + "00" * 4),  # the value overruns the map
+    ma_section(KEY_DELAY + "57"),  # invalid constructor
+    ma_section(KEY_DELAY + "a1ff41"),
+    ma_section(str8("a", 0xA3) + "a1ff41", KEY_DELAY + "5505"),
+    ma_section("a3ff" + KEY_DELAY[4:]),  # the key overruns the map
+    ma_section(KEY_DELAY + "c000"),  # list8 of size 0
+    # a delivery-sized key running past the end of the map (the name is in a value)
+    b"\x00\x53\x72\xc1\x19\x04\xa3\x01a\xa3\x0fx-opt-delivery-\xa3\x14x-",
+    b"\x00\x53\x72\xd1" + struct.pack(">II", 4 + 23, 2) + bytes.fromhex(KEY_DELAY + "81"),
+]
+
+
+@pytest.mark.parametrize("ma", MALFORMED_ANNOTATIONS)
+def test_delayed_delivery_malformed(ma: bytes) -> None:
+    with pytest.raises(ScanError):
+        scan(ma + BODY)
+    assert jms_dest(ma + BODY) is None
+    # without a delivery key the section is skipped by size, malformed or not
+    assert scan(ma.replace(b"x-opt-delivery-", b"x-opt-elsewhere") + BODY)[8:] == (0, 0)
+
+
+def test_delayed_delivery_truncated_message() -> None:
+    data = jms_text(annotations={**JMS_ANN, DTIME: T})
+    ends = boundaries(data)
+    for i in range(len(data)):
+        if i in ends:
+            assert scan(data[:i]) == expected(data[:i])
+        else:
+            with pytest.raises(ScanError):
+                scan(data[:i])
+
+
+@SETTINGS
+@given(
+    st.dictionaries(annotation_keys, annotation_values, max_size=4),
+    st.sampled_from([DTIME, DDELAY]),
+    annotation_values,
+    st.data(),
+)
+def test_mutated_annotations_raise_only_scan_error(
+    annotations: dict[symbol, Any], key: symbol, value: Any, draw: st.DataObject
+) -> None:
+    data = jms_text(annotations={**annotations, key: value})
+    assert scan(data) == expected(data)
+    start = data.index(b"\x00\x53\x72")
+    ma = raw_section(data, MA)
+    assert ma is not None
+    b = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 3))):
+        # mutate inside the annotations only, mostly keeping the delivery key intact
+        op = draw.draw(st.sampled_from(["set", "set", "insert", "delete"]))
+        i = draw.draw(st.integers(start + 3, start + len(ma) - 1))
+        if op == "set":
+            b[i] = draw.draw(st.integers(0, 255))
+        elif op == "insert":
+            b[i:i] = draw.draw(st.binary(min_size=1, max_size=3))
+        else:
+            del b[i]
+    mutated = bytes(b)
+    try:
+        out = scan(mutated)
+    except ScanError:
+        pass
+    else:
+        assert out[8] >= 0
+        assert out[9] >= 0
+    assert jms_dest(mutated) in (None, 0, 1, 2, 3)
+
+
+# --------------------------------------------------------------------------- jms_dest
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        (byte(0), 0),
+        (byte(1), 1),
+        (byte(2), 2),
+        (byte(3), 3),
+        (ubyte(1), 1),
+        (ubyte(3), 3),
+        (byte(4), None),
+        (byte(-1), None),
+        (ubyte(255), None),
+        (1, None),  # a long: not what Qpid JMS sends
+        (int32(1), None),
+        ("queue", None),
+        (None, None),
+    ],
+)
+def test_jms_dest(value: Any, want: int | None) -> None:
+    data = jms_text(
+        annotations={symbol("x-opt-jms-msg-type"): byte(5), symbol("x-opt-jms-dest"): value}
+    )
+    assert jms_dest(data) == want
+    ma = raw_section(data, MA)
+    assert ma is not None
+    assert ma[3] == 0xD1
+    assert jms_dest(data.replace(ma, b"\x00\x53\x72" + widen(ma[3:]))) == want  # as a map8
+
+
+def test_jms_dest_absent_or_malformed() -> None:
+    assert jms_dest(jms_text(annotations={symbol("x-opt-jms-msg-type"): byte(5)})) is None
+    assert jms_dest(jms_text(annotations=None)) is None
+    assert jms_dest(BODY) is None
+    assert jms_dest(b"\x00\x53\x72\x40" + BODY) is None
+    # a string key, first symbol entry wins, delivery-annotations are not read
+    assert jms_dest(ma_section(str8("x-opt-jms-dest") + "5101") + BODY) is None
+    assert (
+        jms_dest(
+            ma_section(str8("x-opt-jms-dest", 0xA3) + "5101", str8("x-opt-jms-dest", 0xA3) + "5100")
+            + BODY
+        )
+        == 1
+    )
+    da = b"\x00\x53\x71" + map8(str8("x-opt-jms-dest", 0xA3) + "5101")
+    assert jms_dest(da + BODY) is None
+    # malformed message or annotations: None, never an exception
+    for bad in (
+        b"",
+        b"\x40",
+        jms_text()[:-1],
+        MALFORMED[5],
+        ma_section(str8("x-opt-jms-dest", 0xA3) + "51"),
+    ):
+        assert jms_dest(bad) is None
+    odd = b"\x00\x53\x72\xc1\x03\x01\xa3\x00" + BODY
+    assert jms_dest(odd) is None
 
 
 # --------------------------------------------------------------------------- errors
@@ -760,8 +1016,8 @@ def test_scan_error_says_where() -> None:
 
 def test_accepts_empty_footer_and_no_body() -> None:
     # proton encodes a body-less message as header + properties only
-    assert scan(bytes(Message().encode())) == (False, 4, 0, 0, 0, None, 0, None)
-    assert scan(b"\x00\x53\x78\xc1\x01\x00") == (False, 4, 0, 0, 0, None, 0, None)
+    assert scan(bytes(Message().encode())) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
+    assert scan(b"\x00\x53\x78\xc1\x01\x00") == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
 
 
 def assert_only_scan_error(fn: Any, data: bytes) -> None:
@@ -779,7 +1035,21 @@ SLOW = [
 
 
 @SETTINGS
-@given(st.one_of(messages(), st.just(jms_text(properties={"JMSXGroupID": "j"}))))
+@given(
+    st.one_of(
+        messages(),
+        st.just(jms_text(properties={"JMSXGroupID": "j"})),
+        st.just(
+            jms_text(
+                annotations={
+                    symbol("x-opt-jms-msg-type"): byte(5),
+                    symbol("x-opt-delivery-time"): 1700000060123,
+                    symbol("x-opt-delivery-delay"): 5000,
+                }
+            )
+        ),
+    )
+)
 def test_truncation_at_every_offset(data: bytes) -> None:
     ends = boundaries(data)
     for i in range(len(data)):
@@ -798,11 +1068,14 @@ def test_truncation_at_every_offset(data: bytes) -> None:
 @SETTINGS
 @given(st.binary(max_size=200))
 @example(b"\x00" * 100)
+@example(b"\x00\x53\x72\xc1\x18\x02\xa3\x14x-opt-delivery-delay\x81\x00")
+@example(b"\x00\x53\x72\xc1\x17\x02\xa3\x14x-opt-delivery-delay\x57")
 @example(b"\x00\x53\x77" + b"\x00" * 5000)
 @example(b"\x00\x53\x77" + b"\x00\x53\x01" * 2000 + b"\x40")
 def test_random_bytes_raise_only_scan_error(data: bytes) -> None:
     for fn in (scan, *SLOW):
         assert_only_scan_error(fn, data)
+    assert jms_dest(data) in (None, 0, 1, 2, 3)
 
 
 @SETTINGS
@@ -822,6 +1095,7 @@ def test_mutated_messages_raise_only_scan_error(data: bytes, draw: st.DataObject
     for fn in (scan, *SLOW):
         assert_only_scan_error(fn, mutated)
     assert_only_scan_error(lambda d: scan(d, False), mutated)
+    assert jms_dest(mutated) in (None, 0, 1, 2, 3)
     # the slow path frames sections exactly like scan() does, and a message scan()
     # accepts can always get a new delivery-count
     try:
@@ -891,7 +1165,7 @@ def test_set_delivery_count_copies_field_encodings() -> None:
         + bytes.fromhex("c011055601500970000000055601" + "700000012c")
         + BODY
     )
-    assert scan(out) == (True, 9, 5, 0, 300, None, 0, None)
+    assert scan(out) == (True, 9, 5, 0, 300, None, 0, None, 0, 0)
     # no header: one is inserted at the front
     out = set_delivery_count(BODY, 2)
     assert out == bytes.fromhex("005370c0070540404040" + "5202") + BODY
@@ -901,7 +1175,7 @@ def test_set_delivery_count_copies_field_encodings() -> None:
     assert scan(set_delivery_count(b"\x00\x53\x70\x45" + BODY, 1))[4] == 1
     l32 = b"\x00\x53\x70\xd0" + struct.pack(">II", 7, 2) + b"\x41\x50\x07" + BODY
     out = set_delivery_count(l32, 1)
-    assert scan(out) == (True, 7, 0, 0, 1, None, 0, None)
+    assert scan(out) == (True, 7, 0, 0, 1, None, 0, None, 0, 0)
     with pytest.raises(ValueError, match="uint"):
         set_delivery_count(BODY, -1)
     with pytest.raises(ValueError, match="uint"):

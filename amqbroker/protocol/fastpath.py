@@ -15,6 +15,8 @@ Per-message work done here, and nothing else:
 * `receive`: copy a complete incoming transfer into one bytes object.
 * `send`: create a delivery with a 4-byte tag from a counter, write, advance.
 * settle / update / disposition details, input push and output peek/pop.
+* transactional delivery states (part 4): read only once the state code is 0x34, set
+  for the coordinator's and transactional transfers' answers.
 
 Invariant: no proton pointer outlives its owner here. Link handlers are registered in
 the connection's `links` map (raw pointer -> handler) while the link is open, and
@@ -26,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cproton_ffi import ffi, lib
+from proton import Data, Described
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -40,7 +43,7 @@ REQUIRED = (
     "pn_condition_set_description pn_link_credit pn_link_get_drain pn_link_drained "
     "pn_link_flow pn_transport_capacity pn_transport_push pn_transport_pending "
     "pn_transport_peek pn_transport_pop pn_transport_close_tail pn_transport_close_head "
-    "pn_transport_tick pn_event_session pn_link_session"
+    "pn_transport_tick pn_event_session pn_link_session pn_disposition_data"
 ).split()
 
 _missing = [n for n in REQUIRED if not hasattr(lib, n)]
@@ -315,3 +318,87 @@ def close_output(transport: Any) -> None:
 
 def tick(transport: Any, now_ms: int) -> int:
     return int(_t_tick(transport, now_ms))
+
+
+# ------------------------------------------------------------------ transactions
+# Delivery states of AMQP part 4, by descriptor code (what pn_delivery_remote_state
+# returns for a state proton does not know). Only read after the state code says so:
+# the non-transactional hot path pays one integer comparison, nothing more.
+PN_DECLARED = 0x33
+PN_TRANSACTIONAL = 0x34
+
+_OUTCOME_SYMBOLS = {
+    "amqp:received:list": PN_RECEIVED,
+    "amqp:accepted:list": PN_ACCEPTED,
+    "amqp:rejected:list": PN_REJECTED,
+    "amqp:released:list": PN_RELEASED,
+    "amqp:modified:list": PN_MODIFIED,
+}
+_disp_data = lib.pn_disposition_data
+
+
+def _descriptor_code(descriptor: Any) -> int:
+    if isinstance(descriptor, int):
+        return int(descriptor)
+    return _OUTCOME_SYMBOLS.get(str(descriptor), -1)
+
+
+def transactional_state(d: Any) -> tuple[bytes, int, bool, bool] | None:
+    """The remote transactional-state of a delivery (remote state PN_TRANSACTIONAL):
+    (txn-id, outcome code or 0 when none, delivery-failed, undeliverable-here).
+    None when it is malformed (no binary txn-id, or an outcome that is not one)."""
+    data = Data(_disp_data(_remote_disp(d)))
+    data.rewind()
+    try:
+        fields = data.get_object() if data.next() else None
+    except Exception:  # any undecodable state is "malformed"
+        return None
+    if not isinstance(fields, list) or not fields:
+        return None
+    txn = fields[0]
+    if not isinstance(txn, (bytes, bytearray, memoryview)):
+        return None
+    txn_id = bytes(txn)
+    if len(fields) < 2 or fields[1] is None:
+        return txn_id, 0, False, False
+    out = fields[1]
+    if not isinstance(out, Described):
+        return None
+    code = _descriptor_code(out.descriptor)
+    if code not in (PN_ACCEPTED, PN_REJECTED, PN_RELEASED, PN_MODIFIED):
+        return None
+    failed = undeliverable = False
+    if code == PN_MODIFIED and isinstance(out.value, list):
+        v = out.value
+        failed = bool(v[0]) if len(v) > 0 and v[0] is not None else False
+        undeliverable = bool(v[1]) if len(v) > 1 and v[1] is not None else False
+    return txn_id, code, failed, undeliverable
+
+
+def _set_local_data(d: Any, txn_id: bytes, outcome: int) -> None:
+    data = Data(_disp_data(_local_disp(d)))
+    data.clear()
+    data.put_list()
+    data.enter()
+    data.put_binary(txn_id)
+    if outcome:
+        data.put_described()
+        data.enter()
+        data.put_ulong(outcome)
+        data.put_list()
+        data.exit()
+    data.exit()
+
+
+def declared(d: Any, txn_id: bytes) -> None:
+    """Settle a coordinator's declare with `declared` {txn-id}."""
+    _set_local_data(d, txn_id, 0)
+    delivery_update(d, PN_DECLARED)
+    delivery_settle(d)
+
+
+def transactional_accept(d: Any, txn_id: bytes) -> None:
+    """Settle a transactional transfer with transactional-state {txn-id, accepted}."""
+    _set_local_data(d, txn_id, PN_ACCEPTED)
+    delivery_update(d, PN_TRANSACTIONAL)
+    delivery_settle(d)

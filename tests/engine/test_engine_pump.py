@@ -603,7 +603,8 @@ def test_refusals_carry_conditions_and_null_terminus() -> None:
         s_missing = p.sender("missing")
         coord = p.session.sender("coordinator-1")
         coord.target.type = Terminus.COORDINATOR
-        _put_symbols(coord.target.capabilities, ["amqp:local-transactions"])
+        # local transactions are supported (test_transactions.py); distributed are not
+        _put_symbols(coord.target.capabilities, ["amqp:distributed-transactions"])
         coord.open()
         r_topic_on_queue = p.receiver("orders", credit=1, capabilities=["topic"])
         r_queue_on_topic = p.receiver("news", credit=1, capabilities=["queue"])

@@ -153,6 +153,7 @@ class BrokerApp:
             idle_timeout=s.idle_timeout,
             max_message_size=s.max_message_size,
             link_credit=s.link_credit,
+            max_transaction_messages=s.max_transaction_messages,
             output_high_water=s.output_high_water,
             output_low_water=s.output_low_water,
         )

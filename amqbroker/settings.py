@@ -230,6 +230,7 @@ class Settings(BaseSettings):
     handshake_timeout: ConfigFloat = Field(default=10.0, gt=0, le=3600)
     max_message_size: ConfigInt = Field(default=100 * MIB, ge=1)
     link_credit: ConfigInt = Field(default=1000, ge=1, le=UINT32_MAX)
+    max_transaction_messages: ConfigInt = Field(default=100_000, ge=1)
     output_high_water: ConfigInt = Field(default=1 * MIB, ge=1)
     output_low_water: ConfigInt = Field(default=256 * KIB, ge=0)
     read_buffer_size: ConfigInt = Field(default=64 * KIB, ge=512)

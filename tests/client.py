@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -30,21 +31,26 @@ from proton import (
     Connection,
     Data,
     Delivery,
+    Described,
     Disposition,
     Endpoint,
     Event,
     Link,
     Message,
     ProtonException,
+    SymbolList,
+    Terminus,
     Transport,
     symbol,
+    ulong,
 )
 
 DEFAULT_TIMEOUT = 10.0
 
 
 class ClientError(Exception):
-    pass
+    #: the peer's error condition, when it sent one
+    condition: Any = None
 
 
 class Received:
@@ -104,9 +110,11 @@ class _Link:
         await self.client._wait(lambda: self.link.state & Endpoint.REMOTE_CLOSED, timeout)
 
     async def detach(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Detach without closing (a durable subscription stays). Proton keeps a
+        remotely detached link REMOTE_ACTIVE, so wait for the broker to have handled
+        it instead."""
         self.link.detach()
-        await self.client._flush()
-        await self.client._wait(lambda: not self.link.state & Endpoint.REMOTE_ACTIVE, timeout)
+        await roundtrip(self.client, timeout)
 
     @property
     def closed_by_peer(self) -> bool:
@@ -240,6 +248,7 @@ class Client:
         password: str | None = None,
         mechs: str | None = None,
         container: str | None = None,
+        desired: list[str] | None = None,
         idle_timeout: float | None = None,
         sasl: bool = True,
         nursery: trio.Nursery,
@@ -251,6 +260,8 @@ class Client:
         conn = Connection()
         if container:
             conn.container = container
+        if desired:
+            conn.desired_capabilities = SymbolList([symbol(x) for x in desired])
         if user is not None:
             conn.user = user
             conn.password = password
@@ -281,10 +292,12 @@ class Client:
         if not conn.state & Endpoint.REMOTE_ACTIVE:
             cond = conn.remote_condition or t.condition
             c.abort()
-            raise ClientError(
+            err = ClientError(
                 f"connection refused: {cond.name if cond else None}: "
                 f"{cond.description if cond else ''}"
             )
+            err.condition = cond
+            raise err
         return c
 
     # ------------------------------------------------------------------ links
@@ -327,7 +340,10 @@ class Client:
         priority: int | None = None,
         name: str | None = None,
         wait: bool = True,
+        configure: Callable[[Link], None] | None = None,
     ) -> Receiver:
+        """`configure` may set anything else on the link before it is opened
+        (filters, durability, distribution mode...)."""
         link = self._session.receiver(name or self._new_name("receiver"))
         if address is not None:
             link.source.address = address
@@ -336,6 +352,8 @@ class Client:
             _put_symbols(link.source.capabilities, capabilities)
         if priority is not None:
             link.properties = {symbol("priority"): priority}
+        if configure is not None:
+            configure(link)
         if presettled:
             link.snd_settle_mode = Link.SND_SETTLED
         link.open()
@@ -513,3 +531,123 @@ async def wait_ended(c: Client, timeout: float = DEFAULT_TIMEOUT) -> None:
     with trio.fail_after(timeout):
         while not (c._dead or c.closed_by_peer):
             await c._changed.wait()
+
+
+# ------------------------------------------------------ transactions (AMQP part 4)
+# Helpers that speak to a transaction coordinator the way Qpid JMS does: a sender link
+# with a Coordinator target, Declare / Discharge as amqp-value bodies (described lists
+# with ulong descriptors), transactional-state on transfers and dispositions.
+
+DECLARE = 0x31
+DISCHARGE = 0x32
+DECLARED = 0x33
+TRANSACTIONAL = 0x34
+
+
+async def coordinator(
+    c: Client,
+    *,
+    name: str | None = None,
+    capabilities: list[str] | None = None,
+    wait: bool = True,
+) -> Sender:
+    """Attach a sender to the transaction coordinator (Qpid JMS's coordinator link)."""
+    link = c._session.sender(name or c._new_name("qpid-jms:coordinator"))
+    link.target.type = Terminus.COORDINATOR
+    _put_symbols(
+        link.target.capabilities,
+        capabilities if capabilities is not None else ["amqp:local-transactions"],
+    )
+    link.open()
+    s = Sender(c, link)
+    await c._flush()
+    if wait:
+        await s.wait_open()
+    return s
+
+
+async def control(s: Sender, body: Any, *, timeout: float = DEFAULT_TIMEOUT) -> Delivery:
+    """Send one coordinator message and wait until the coordinator settled it."""
+    c = s.client
+    await c._wait(lambda: s.link.credit > 0 or s.closed_by_peer, timeout)
+    d = s.send_nowait(Message(body=body))
+    await c._flush()
+    await c._wait(lambda: d.settled or s.closed_by_peer, timeout)
+    return d
+
+
+async def declare(s: Sender, *, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+    """Declare a transaction; returns its txn-id."""
+    d = await control(s, Described(ulong(DECLARE), []), timeout=timeout)
+    if d.remote_state != DECLARED:
+        cond = d.remote.condition
+        raise ClientError(f"declare answered {d.remote_state}: {cond}")
+    data = d.remote.data
+    assert data, "declared without a txn-id"
+    return bytes(data[0])
+
+
+async def discharge(
+    s: Sender, txn_id: bytes, *, fail: bool = False, timeout: float = DEFAULT_TIMEOUT
+) -> Delivery:
+    """Commit (fail=False) or roll back; returns the settled delivery (accepted or
+    rejected with a condition)."""
+    return await control(s, Described(ulong(DISCHARGE), [txn_id, fail]), timeout=timeout)
+
+
+def enlist(
+    d: Delivery,
+    txn_id: bytes,
+    outcome: int | None = None,
+    *,
+    failed: bool = False,
+    undeliverable: bool = False,
+) -> None:
+    """Set a transactional-state {txn-id, outcome} as the delivery's local state."""
+    fields: list[Any] = [txn_id]
+    if outcome is not None:
+        value: list[Any] = [failed, undeliverable] if outcome == Disposition.MODIFIED else []
+        fields.append(Described(ulong(int(outcome)), value))
+    d.local.data = fields
+    d.update(TRANSACTIONAL)
+
+
+def txn_send_nowait(s: Sender, msg: Message, txn_id: bytes) -> Delivery:
+    """A transfer carrying transactional-state {txn-id} (as Qpid JMS sends it)."""
+    d = s.link.delivery(f"tx{next(s._tags)}")
+    enlist(d, txn_id)
+    s.link.send(msg.encode())
+    s.link.advance()
+    if s.link.snd_settle_mode == Link.SND_SETTLED:
+        d.settle()
+    return d
+
+
+async def txn_send_many(
+    s: Sender, msgs: list[Message], txn_id: bytes, *, timeout: float = DEFAULT_TIMEOUT
+) -> list[Delivery]:
+    """Send in the transaction; waits for every outcome unless presettled."""
+    c = s.client
+    out = []
+    for m in msgs:
+        await c._wait(lambda: s.link.credit > 0 or s.closed_by_peer, timeout)
+        out.append(txn_send_nowait(s, m, txn_id))
+    await c._flush()
+    if s.link.snd_settle_mode != Link.SND_SETTLED:
+        await c._wait(lambda: all(d.settled or d.remote_state for d in out), timeout)
+    return out
+
+
+def txn_settle(
+    r: Receiver,
+    rec: Received,
+    txn_id: bytes,
+    outcome: int = Delivery.ACCEPTED,
+    *,
+    failed: bool = False,
+    undeliverable: bool = False,
+) -> None:
+    """Acknowledge in a transaction, settled (as Qpid JMS does)."""
+    enlist(rec.delivery, txn_id, outcome, failed=failed, undeliverable=undeliverable)
+    rec.delivery.settle()
+    r.client._kick()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
@@ -44,6 +45,27 @@ log = logging.getLogger(__name__)
 ROUTED = 0
 ROUTED_SYNC = 1  # at least one durable copy: settle the producer after the store syncs
 NO_ROUTE = 2  # multicast address without subscribers: accepted and dropped
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """A topic subscription a consumer link asks for (JMS durable / shared
+    subscriptions). `container` is the client's container id (JMS clientID), empty for
+    a global subscription; the queue is named from both."""
+
+    name: str
+    container: str = ""
+    durable: bool = False
+    shared: bool = False
+    selector: str | None = None
+    no_local: bool = False
+
+    @property
+    def queue_name(self) -> str:
+        base = f"{self.container}.{self.name}" if self.container else self.name
+        if self.durable:
+            return base
+        return f"{base}:shared-volatile" if self.container else f"{base}:global-volatile"
 
 
 def _parse(address: str) -> tuple[str, QueueOptions]:
@@ -81,6 +103,9 @@ class Broker:
         self.budget = MemoryBudget(global_max_size)
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
+        #: container ids held by connections that asked to be the only one
+        #: (sole-connection-for-container; the JMS clientID) -> connection id
+        self.containers: dict[str, str] = {}
         self._pending: dict[Queue, None] = {}
         self._next_qid = 1
         self._tmp_counter = itertools.count(1)
@@ -200,6 +225,78 @@ class Broker:
             qname, a, durable=False, temporary=True, options=options, subscription=True
         )
 
+    # -------------------------------------------------------- subscriptions
+    def subscription_queue(
+        self,
+        address: str,
+        sub: Subscription,
+        *,
+        origin: str | None = None,
+    ) -> Queue:
+        """The queue of a named (durable or shared) topic subscription, created on
+        first use. An existing subscription whose topic or selector differs is
+        replaced when nobody consumes from it (JMS: changing a durable subscription is
+        an unsubscribe and a new subscribe); with consumers attached that is an error.
+        `origin`: the connection whose own messages a no-local subscription skips."""
+        name, options = _parse(address)
+        if self.addresses.get(name) is None:
+            r = self.resolve(name)
+            if not r.auto_create_addresses:
+                raise NotFound(
+                    f"topic '{name}' does not exist and auto-create is off for it; create "
+                    "it in the broker configuration or enable auto_create_addresses"
+                )
+            self.create_address(name, MULTICAST, auto_created=True)
+        a = self.addresses[name]
+        if a.routing != MULTICAST:
+            raise PreconditionFailed(
+                f"address '{name}' is a queue (anycast); subscriptions (durable or shared) "
+                "need a topic: attach with the 'topic' capability to a multicast address"
+            )
+        qname = sub.queue_name
+        q = self.queues.get(qname)
+        if q is not None:
+            same = q.address is a and q.selector == sub.selector and q.no_local == sub.no_local
+            if not same:
+                if q.consumer_count:
+                    raise PreconditionFailed(
+                        f"subscription '{sub.name}' exists on topic "
+                        f"'{q.address.name if q.address else '?'}' with selector "
+                        f"{q.selector!r} and has active consumers; close them before "
+                        "subscribing with another topic or selector"
+                    )
+                self.delete_queue(q)
+                q = None
+        if q is None:
+            q = self._create_queue(
+                qname,
+                a,
+                durable=sub.durable,
+                options=options,
+                subscription=not sub.durable,
+                subscription_of=sub,
+            )
+        if sub.no_local and origin is not None:
+            q.no_local_origin = origin
+        return q
+
+    def find_subscription(self, link_name: str, container: str) -> Queue | None:
+        """The queue of an existing subscription named by a link (Qpid JMS
+        unsubscribes by attaching with the subscription's link name and no source)."""
+        base, _, suffix = link_name.partition("|")
+        names = []
+        if suffix.startswith("global"):
+            names.append(base)
+        else:
+            names.append(f"{container}.{base}" if container else base)
+            names.append(base)
+        for n in names:
+            for qn in (n, f"{n}:shared-volatile", f"{n}:global-volatile"):
+                q = self.queues.get(qn)
+                if q is not None and q.subscription_name is not None:
+                    return q
+        return None
+
     def _check_routing(self, a: Address, hint: str | None) -> None:
         if hint is not None and hint != a.routing:
             kind = "a queue (anycast)" if a.routing == ANYCAST else "a topic (multicast)"
@@ -207,6 +304,41 @@ class Broker:
                 f"address '{a.name}' exists as {kind}; attach with the matching "
                 "capability ('queue' or 'topic') or use another address"
             )
+
+    def is_topic(self, address: str) -> bool:
+        """Whether an address exists as, or would be auto-created as, a topic."""
+        name = address.partition("?")[0]
+        a = self.addresses.get(name)
+        if a is not None:
+            return a.routing == MULTICAST
+        return self.resolve(name).default_routing_type == MULTICAST
+
+    def create_temporary_topic(self) -> Address:
+        """A dynamic topic (JMS TemporaryTopic): a multicast address with a unique
+        name; its subscribers' queues come and go with them."""
+        name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
+        while name in self.addresses:
+            name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
+        r = self.resolve(name)
+        a = Address(
+            name,
+            MULTICAST,
+            settings=r,
+            max_size=r.max_size_bytes,
+            full_policy=r.address_full_policy,
+            budget=self.budget,
+        )
+        self.addresses[name] = a
+        return a
+
+    def delete_address(self, a: Address) -> list[Any]:
+        """Remove an address and its queues; returns the consumers to detach."""
+        consumers: list[Any] = []
+        for q in list(a.queues):
+            consumers.extend(self.delete_queue(q))
+        if self.addresses.get(a.name) is a:
+            del self.addresses[a.name]
+        return consumers
 
     def create_temporary_queue(self, hint: str | None = None) -> Queue:
         """A dynamic node: an anycast address+queue with a unique name."""
@@ -237,6 +369,7 @@ class Broker:
         subscription: bool = False,
         qid: int | None = None,
         declare: bool = True,
+        subscription_of: Subscription | None = None,
     ) -> Queue:
         if qid is None:
             qid = self._next_qid
@@ -256,6 +389,12 @@ class Broker:
             persistence=self.store,
             options=options.model_dump(exclude_none=True) if options else {},
         )
+        if subscription_of is not None:
+            q.subscription_name = subscription_of.name
+            q.no_local = subscription_of.no_local
+            if subscription_of.selector:
+                q.selector = subscription_of.selector
+                q.filter = self.codec.selector_filter(subscription_of.selector)
         address.queues.append(q)
         self.queues[name] = q
         if durable and declare:
@@ -271,12 +410,17 @@ class Broker:
     @staticmethod
     def _queue_attributes(q: Queue) -> dict[str, Any]:
         a = q.address
-        return {
+        attrs: dict[str, Any] = {
             "address": a.name if a else q.name,
             "routing": a.routing if a else ANYCAST,
             "auto_created": q.auto_created,
             "options": q.options,
         }
+        if q.subscription_name is not None:
+            attrs["subscription"] = q.subscription_name
+            attrs["selector"] = q.selector
+            attrs["no_local"] = q.no_local
+        return attrs
 
     def restore_queue(
         self, qid: int, name: str, attributes: dict[str, Any], entries: Iterable[Entry]
@@ -298,6 +442,14 @@ class Broker:
             )
             self.addresses[aname] = a
         opts = QueueOptions(**attributes.get("options", {}))
+        sub = None
+        if attributes.get("subscription") is not None:
+            sub = Subscription(
+                str(attributes["subscription"]),
+                durable=True,
+                selector=attributes.get("selector"),
+                no_local=bool(attributes.get("no_local")),
+            )
         # already declared in the store: recreate it without a new record
         q = self._create_queue(
             name,
@@ -307,6 +459,7 @@ class Broker:
             options=opts,
             qid=qid,
             declare=False,
+            subscription_of=sub,
         )
         q.restore(entries)
         return q
@@ -339,28 +492,32 @@ class Broker:
             )
         qs = a.queues
         self.routed += 1
-        if len(qs) == 1:
+        if len(qs) == 1 and qs[0].filter is None and qs[0].no_local_origin is None:
             q = qs[0]
             q.enqueue(e)
             return ROUTED_SYNC if (q.durable and e.durable) else ROUTED
-        if not qs:
-            self.dropped_no_route += 1
-            return NO_ROUTE
         sync = False
         first = True
         for q in list(qs):
+            if not q.admits(e):
+                continue
             x = e if first else e.copy()
             first = False
             q.enqueue(x)
             sync = sync or (q.durable and x.durable)
+        if first:
+            self.dropped_no_route += 1
+            return NO_ROUTE
         return ROUTED_SYNC if sync else ROUTED
 
-    def address_for_relay(self, to: str) -> Address:
-        """Anonymous relay: the per-message `to` address."""
+    def address_for_relay(self, to: str, data: bytes | None = None) -> Address:
+        """Anonymous relay: the per-message `to` address. A new address gets the
+        routing type the message names (Qpid JMS's `x-opt-jms-dest`: queue or topic)."""
         a = self.addresses.get(to)
         if a is not None:
             return a
-        return self.address_for_producer(to)
+        hint = self.codec.destination_routing(data) if data is not None else None
+        return self.address_for_producer(to, hint)
 
     # --------------------------------------------------- QueueHost callbacks
     def schedule_dispatch(self, queue: Queue) -> None:

@@ -6,8 +6,11 @@ functions); core tests can use `PlainCodec`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from amqbroker.core.entry import Entry
 
 Annotation = str | int | bool | None
 
@@ -21,6 +24,16 @@ class MessageCodec(Protocol):
         """properties.message-id, or None."""
         ...
 
+    def selector_filter(self, selector: str) -> Callable[[Entry], bool]:
+        """A compiled JMS selector as a filter on messages (raises
+        `amqbroker.core.selector.SelectorError` for an invalid selector)."""
+        ...
+
+    def destination_routing(self, data: bytes) -> str | None:
+        """The routing type a message names for its destination (anycast for a
+        queue, multicast for a topic), or None."""
+        ...
+
 
 class PlainCodec:
     """For core tests: leaves the bytes alone."""
@@ -29,4 +42,14 @@ class PlainCodec:
         return data
 
     def message_id(self, data: bytes) -> object:
+        return None
+
+    def selector_filter(self, selector: str) -> Callable[[Entry], bool]:
+        from amqbroker.core.selector import compile_selector
+
+        sel = compile_selector(selector)
+        # core tests' messages carry no decodable fields: every identifier is NULL
+        return lambda e: sel.matches({})
+
+    def destination_routing(self, data: bytes) -> str | None:
         return None

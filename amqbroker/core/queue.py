@@ -137,6 +137,16 @@ class Queue:
         self.subscription = subscription
         #: queue options given in the address string (persisted with the queue)
         self.options = dict(options or {})
+        #: name of the topic subscription this queue holds (durable or shared), if any
+        self.subscription_name: str | None = None
+        #: the subscription's selector (text) and compiled filter, applied at routing
+        self.selector: str | None = None
+        self.filter: Callable[[Entry], bool] | None = None
+        #: no-local subscription: messages from `no_local_origin` are not routed here
+        self.no_local = False
+        self.no_local_origin: str | None = None
+        #: messages waiting for their scheduled delivery time
+        self.scheduled = 0
         self._host = host
         self._clock = host.clock
         self._timers = host.timers
@@ -207,6 +217,14 @@ class Queue:
         return bucket_of(group_id, p.group_buckets)
 
     # ----------------------------------------------------------------- enqueue
+    def admits(self, e: Entry) -> bool:
+        """Whether a routed message belongs in this queue (subscription selector and
+        no-local; plain queues admit everything)."""
+        if self.no_local_origin is not None and e.origin == self.no_local_origin:
+            return False
+        f = self.filter
+        return f is None or f(e)
+
     def enqueue(self, e: Entry) -> None:
         """Add a message at the tail (routing calls this)."""
         self._seq += 1
@@ -223,6 +241,8 @@ class Queue:
         self.enqueued += 1
         if self.durable and e.durable:
             self._store.message_added(self.qid, e)
+        if e.deliver_at and self._schedule(e):
+            return
         # fast path: nothing queued ahead, so this message is the head: make the
         # decision a dispatch pass would make, without entering one
         if (
@@ -251,7 +271,36 @@ class Queue:
             )
             self._seq = max(self._seq, e.seq)
             self._account(e)
+            if e.deliver_at and self._schedule(e):
+                continue
             self._insert_main(e)
+
+    def _schedule(self, e: Entry) -> bool:
+        """Hold a message until its delivery time (JMS delivery delay). Like a
+        redelivery delay it holds its group: later messages of the group wait behind
+        it instead of overtaking it. False when the time has already come."""
+        now = self._clock()
+        at = e.deliver_at / 1000.0
+        if at <= now:
+            e.deliver_at = 0
+            return False
+        hg = None
+        if e.gkey is not None:
+            hg = self._groups.get(e.gkey)
+            if hg is None:
+                hg = Group(e.gkey, None, now)
+                self._groups[e.gkey] = hg
+            hg.held += 1
+        self.scheduled += 1
+
+        def due() -> None:
+            self.scheduled -= 1
+            e.deliver_at = 0
+            self._undelay(e, hg, t)
+
+        t = self._timers.call_at(at, due)
+        self._delayed.add(t)
+        return True
 
     def _account(self, e: Entry) -> None:
         n = len(e.data)
@@ -862,6 +911,25 @@ class Queue:
         self._host.expired(self, e)
         self._remove(e)
 
+    # ------------------------------------------------------------ transactions
+    # A transaction holds a consumer's outcome until discharge; the message stays in
+    # flight. If the consumer detached meanwhile (its `inflight` was reset by
+    # `remove_consumer`, which never saw the held message), the outcome is applied
+    # through these: the same settlement, with a stand-in consumer for the accounting.
+    def ack_detached(self, e: Entry) -> None:
+        """Commit of an `accepted` whose consumer is gone."""
+        self.ack(Consumer("(detached)"), e)
+
+    def reject_detached(self, e: Entry) -> None:
+        """Commit of a `rejected` whose consumer is gone (dead-letter)."""
+        self.reject(Consumer("(detached)"), e)
+
+    def return_detached(self, e: Entry, *, delivery_failed: bool = True) -> None:
+        """Rollback (or a committed release/modified) of a message whose consumer is
+        gone: back to its position (its group's parked messages, or the main order;
+        a held group keeps its hold), delivery-count + 1 when `delivery_failed`."""
+        self.release(Consumer("(detached)"), e, delivery_failed=delivery_failed)
+
     # ------------------------------------------------- unmatched / gate / pause
     def _to_unmatched(self, e: Entry) -> None:
         self._unmatched.append(e)
@@ -1000,6 +1068,13 @@ class Queue:
             )
         return out
 
+    def browse(self) -> list[Entry]:
+        """The messages waiting in the queue (not in flight, not scheduled), in queue
+        order: what a browser (distribution-mode copy) sees, as a snapshot."""
+        out = list(self._all_waiting())
+        out.sort(key=_browse_order)
+        return out
+
     def consumers(self) -> list[Consumer]:
         return [c for t in self._tiers for c in t.consumers]
 
@@ -1090,6 +1165,7 @@ class Queue:
             "stuck_messages": self.stuck_messages,
             "unmatched": len(self._unmatched),
             "delayed": len(self._delayed),
+            "scheduled": self.scheduled,
             "dispatching": self.dispatching,
         }
 
@@ -1099,6 +1175,10 @@ class Queue:
 
 def _seq(e: Entry) -> int:
     return e.seq
+
+
+def _browse_order(e: Entry) -> tuple[int, int]:
+    return (-e.priority, e.seq)
 
 
 def _insert_by_seq(dq: deque[Entry], e: Entry) -> None:

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from amqbroker.core.address import ANYCAST, MULTICAST
 from amqbroker.core.codec import Annotation
+from amqbroker.core.entry import Entry
+from amqbroker.core.selector import compile_selector
 from amqbroker.protocol import scanner
+from amqbroker.protocol.selector_fields import extractor
+
+#: x-opt-jms-dest values: queue, topic, temporary queue, temporary topic
+_JMS_DEST_ROUTING = {0: ANYCAST, 1: MULTICAST, 2: ANYCAST, 3: MULTICAST}
 
 log = logging.getLogger(__name__)
+
+#: one extractor per identifier set, so that consumers whose selectors read the same
+#: fields share the decoded fields cached on an entry
+_extractor = functools.lru_cache(maxsize=256)(extractor)
 
 
 class ScannerCodec:
@@ -24,3 +36,26 @@ class ScannerCodec:
             return scanner.message_id(data)
         except scanner.ScanError:
             return None
+
+    def selector_filter(self, selector: str) -> Callable[[Entry], bool]:
+        """Compile once; per message, decode only the sections the selector reads and
+        cache them on the entry (consumers with the same selector share the work)."""
+        sel = compile_selector(selector)
+        extract = _extractor(sel.identifiers)
+        match = sel.matches
+
+        def accepts(e: Entry) -> bool:
+            cached = e.fields
+            if cached is not None and cached[0] is extract:
+                return match(cached[1])
+            try:
+                fields = extract(e.data)
+            except scanner.ScanError:
+                return False
+            e.fields = (extract, fields)
+            return match(fields)
+
+        return accepts
+
+    def destination_routing(self, data: bytes) -> str | None:
+        return _JMS_DEST_ROUTING.get(scanner.jms_dest(data) or -1)

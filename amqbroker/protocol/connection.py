@@ -34,14 +34,20 @@ from proton import Condition, Link, Terminus, symbol
 from amqbroker import __version__
 from amqbroker.core.address import ANYCAST, MULTICAST
 from amqbroker.core.auth import Authenticator
-from amqbroker.core.broker import Broker
+from amqbroker.core.broker import Broker, Subscription
 from amqbroker.core.errors import (
     BrokerError,
+    InvalidField,
     NotFound,
     NotImplementedFeature,
+    PreconditionFailed,
     ResourceLimitExceeded,
 )
+from amqbroker.core.selector import SelectorError
+from amqbroker.core.transaction import Transactions
 from amqbroker.protocol import fastpath as fp
+from amqbroker.protocol.browser import BrowserLink
+from amqbroker.protocol.coordinator import LOCAL_TRANSACTIONS, CoordinatorLink
 from amqbroker.protocol.links import ConsumerLink, ProducerLink, SyncTracker
 from amqbroker.protocol.sasl import SaslServer
 
@@ -81,6 +87,8 @@ class ConnectionLimits:
     output_high_water: int = 1 << 20
     output_low_water: int = 256 << 10
     refuse_reason: str = ""  # non-empty: close the connection right after open
+    #: most messages (sends + acknowledgements) one transaction may hold
+    max_transaction_messages: int = 100_000
 
 
 def _first_object(data: Any) -> Any:
@@ -104,14 +112,55 @@ def _symbols(data: Any) -> set[str]:
         return set()
 
 
-def _filter_names(data: Any) -> set[str]:
-    """The keys of a source's filter set (empty when there is none)."""
+#: filter descriptors (Apache's registered filter types, what Qpid JMS sends)
+SELECTOR_CODE = 0x0000468C00000004
+NO_LOCAL_CODE = 0x0000468C00000003
+_SELECTOR_NAMES = {"apache.org:selector-filter:string", "jms-selector"}
+_NO_LOCAL_NAMES = {"apache.org:no-local-filter:list", "no-local"}
+
+SOLE_CONNECTION = "sole-connection-for-container"
+_OFFERED = ("ANONYMOUS-RELAY", "DELAYED_DELIVERY", "SHARED-SUBS", SOLE_CONNECTION)
+
+
+@dataclass(frozen=True)
+class SourceFilters:
+    selector: str | None = None
+    no_local: bool = False
+
+
+def _source_filters(data: Any) -> SourceFilters:
+    """The filters of a source's filter set that the broker applies (a JMS selector
+    and no-local); any other filter is refused rather than silently ignored."""
     obj = _first_object(data)
     if obj is None:
-        return set()
-    if isinstance(obj, dict):
-        return {str(k) for k in obj}
-    return {"(unreadable filter)"}
+        return SourceFilters()
+    if not isinstance(obj, dict):
+        raise InvalidField("the source's filter set is not a map; send a map of filters")
+    selector: str | None = None
+    no_local = False
+    for key, value in obj.items():
+        desc = getattr(value, "descriptor", None)
+        inner = getattr(value, "value", value)
+        kind = str(desc) if isinstance(desc, str) else desc
+        if (
+            kind == SELECTOR_CODE
+            or kind in _SELECTOR_NAMES
+            or (desc is None and str(key) == "jms-selector")
+        ):
+            if not isinstance(inner, str):
+                raise InvalidField(
+                    f"selector filter {str(key)!r} must hold a string, not {type(inner).__name__}"
+                )
+            selector = inner.strip() or None
+        elif kind == NO_LOCAL_CODE or kind in _NO_LOCAL_NAMES:
+            no_local = True
+        else:
+            raise NotImplementedFeature(
+                f"message filter {str(key)!r} (descriptor {desc!r}) is not supported; "
+                "this broker applies JMS selectors (apache.org:selector-filter:string) "
+                "and no-local (apache.org:no-local-filter:list)"
+            )
+    return SourceFilters(selector, no_local)
 
 
 class AmqpConnection:
@@ -141,6 +190,11 @@ class AmqpConnection:
         self.user: str | None = None
         self.remote_container: str | None = None
         self.links: dict[Any, Any] = {}
+        #: open transactions of this connection, by txn-id (coordinator.py)
+        self.txns = Transactions(limits.max_transaction_messages)
+        #: temporary topics created by a link of this connection (deleted with it)
+        self._temp_topics: dict[Any, Any] = {}
+        self._sole_container: str | None = None
         self._sessions: set[Any] = set()
         self._closed = False
         self._opened = False
@@ -351,8 +405,38 @@ class AmqpConnection:
         c = self._pconn
         self.remote_container = c.remote_container
         c.container = self.limits.container_id
-        c.offered_capabilities = proton.SymbolList([symbol("ANONYMOUS-RELAY")])
-        c.properties = {symbol("product"): "amqbroker", symbol("version"): __version__}
+        c.offered_capabilities = proton.SymbolList([symbol(x) for x in _OFFERED])
+        props: dict[Any, Any] = {symbol("product"): "amqbroker", symbol("version"): __version__}
+        c.properties = props
+        container = self.remote_container or ""
+        desired = {str(x) for x in (c.remote_desired_capabilities or ())}
+        if SOLE_CONNECTION in desired and container:
+            holder = self.broker.containers.get(container)
+            if holder is not None:
+                props[symbol("amqp:connection-establishment-failed")] = True
+                c.properties = props
+                c.open()
+                self._opened = True
+                log.info(
+                    "connection %s from %s: refused: container-id %r is in use by connection %s",
+                    self.conn_id,
+                    self.peer,
+                    container,
+                    holder,
+                )
+                self._closed = True
+                self.cleanup(failed=False)
+                c.condition = Condition(
+                    "amqp:invalid-field",
+                    f"container-id (JMS clientID) {container!r} is already in use by "
+                    "another connection; close it or use another clientID",
+                    {symbol("invalid-field"): symbol("container-id")},
+                )
+                c.close()
+                self.mark_dirty()
+                return
+            self.broker.containers[container] = self.conn_id
+            self._sole_container = container
         c.open()
         self._opened = True
         log.debug(
@@ -437,31 +521,75 @@ class AmqpConnection:
 
     def _attach_consumer(self, link: Any) -> None:
         src = link.remote_source
-        filters = _filter_names(src.filter)
-        if filters:
-            # Qpid JMS never checks that a selector was applied: ignoring it would
-            # silently hand the consumer every message
-            raise NotImplementedFeature(
-                f"message filters are not supported by this broker yet (requested: "
-                f"{', '.join(sorted(filters))}); attach without a selector / no-local"
-            )
+        filters = _source_filters(src.filter)
         caps = _symbols(src.capabilities)
         hint = next((_ROUTING_CAPS[c] for c in caps if c in _ROUTING_CAPS), None)
         broker = self.broker
         temporary = False
+        address = src.address
+        if not src.dynamic and not address:
+            self._attach_unsubscribe(link)
+            return
+        if address == MANAGEMENT_ADDRESS:
+            raise NotFound(
+                "'$management' takes requests: attach a sender to it and receive the "
+                "replies on a dynamic or named reply address"
+            )
+        container = self.remote_container or ""
         if src.dynamic:
-            q = broker.create_temporary_queue()
-            temporary = True
-        else:
-            address = src.address
-            if not address:
-                raise NotFound("a consumer must name a source address (or ask for a dynamic node)")
-            if address == MANAGEMENT_ADDRESS:
-                raise NotFound(
-                    "'$management' takes requests: attach a sender to it and receive the "
-                    "replies on a dynamic or named reply address"
+            if "temporary-topic" in caps:
+                a = broker.create_temporary_topic()
+                self._temp_topics[link._impl] = a
+                q = broker.queue_for_consumer(a.name, MULTICAST, subscription=link.name)
+            else:
+                q = broker.create_temporary_queue()
+                temporary = True
+        elif src.distribution_mode == Terminus.DIST_MODE_COPY and (
+            hint != MULTICAST and "shared" not in caps
+        ):
+            self._attach_browser(link, address, hint, filters)
+            return
+        elif (
+            "shared" in caps
+            or src.durability != Terminus.NONDURABLE
+            or src.expiry_policy == Terminus.EXPIRE_NEVER
+        ) and (hint == MULTICAST or "shared" in caps or broker.is_topic(address)):
+            shared = "shared" in caps
+            name = link.name.partition("|")[0] if shared else link.name
+            sub = Subscription(
+                name,
+                container="" if (shared and "global" in caps) else container,
+                durable=src.durability != Terminus.NONDURABLE
+                or src.expiry_policy == Terminus.EXPIRE_NEVER,
+                shared=shared,
+                selector=filters.selector,
+                no_local=filters.no_local,
+            )
+            q = self._guard_selector(
+                lambda: broker.subscription_queue(address, sub, origin=self.conn_id)
+            )
+            if not shared and q.consumer_count:
+                raise PreconditionFailed(
+                    f"durable subscription '{name}' already has an active consumer; JMS "
+                    "allows one per non-shared subscription (use a shared subscription "
+                    "for several)"
                 )
+        else:
             q = broker.queue_for_consumer(address, hint, subscription=link.name)
+        consumer_filter = None
+        if q.address is not None and q.address.routing == MULTICAST:
+            if q.subscription and q.subscription_name is None:
+                # this consumer's own subscription queue: filter at routing time
+                if filters.selector:
+                    q.selector = filters.selector
+                    q.filter = self._guard_selector(
+                        lambda: broker.codec.selector_filter(filters.selector or "")
+                    )
+                if filters.no_local:
+                    q.no_local = True
+                    q.no_local_origin = self.conn_id
+        elif filters.selector or filters.no_local:
+            consumer_filter = self._consumer_filter(filters)
         priority = 0
         props = link.remote_properties
         if props:
@@ -469,30 +597,104 @@ class AmqpConnection:
             if isinstance(p, int):
                 priority = int(p)
         presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
+        # the source is answered as the client sent it (address options included:
+        # clients such as python-qpid-proton's BlockingConnection check the echo);
+        # only a dynamic node gets the name the broker gave it
         link.source.copy(src)
-        link.source.address = q.name
+        if src.dynamic:
+            link.source.address = q.address.name if q.address is not None else q.name
         link.target.copy(link.remote_target)
         link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
         link.rcv_settle_mode = Link.RCV_FIRST
         h = ConsumerLink(
             self, link, priority=priority, presettled=presettled, temporary_queue=temporary
         )
+        h.filter = consumer_filter
         self.links[h.ptr] = h
         link.open()
         q.add_consumer(h)
         log.debug("connection %s: consumer %r on queue %r", self.conn_id, link.name, q.name)
 
+    def _guard_selector(self, make: Callable[[], Any]) -> Any:
+        try:
+            return make()
+        except SelectorError as exc:
+            raise InvalidField(f"invalid JMS selector: {exc}") from exc
+
+    def _consumer_filter(self, filters: SourceFilters) -> Callable[[Any], bool]:
+        """A queue consumer's filter: its selector, and no-local (skip messages this
+        connection sent)."""
+        sel = None
+        if filters.selector:
+            sel = self._guard_selector(
+                lambda: self.broker.codec.selector_filter(filters.selector or "")
+            )
+        if not filters.no_local:
+            assert sel is not None
+            return sel  # type: ignore[no-any-return]
+        me = self.conn_id
+        if sel is None:
+            return lambda e: e.origin != me
+        match = sel
+        return lambda e: e.origin != me and match(e)
+
+    def _attach_browser(
+        self, link: Any, address: str, hint: str | None, filters: SourceFilters
+    ) -> None:
+        """A queue browser (source distribution-mode copy): sees the queue's messages
+        in order, as they are when it attaches, without consuming them."""
+        q = self.broker.queue_for_consumer(address, hint)
+        match = self._consumer_filter(filters) if filters.selector or filters.no_local else None
+        link.source.copy(link.remote_source)
+        link.target.copy(link.remote_target)
+        link.snd_settle_mode = Link.SND_SETTLED
+        h = BrowserLink(self, link, q, match)
+        self.links[h.ptr] = h
+        link.open()
+        log.debug("connection %s: browser %r on queue %r", self.conn_id, link.name, q.name)
+
+    def _attach_unsubscribe(self, link: Any) -> None:
+        """An attach with no source address names an existing subscription by its link
+        name (Qpid JMS unsubscribes this way: attach, then close the link)."""
+        q = self.broker.find_subscription(link.name, self.remote_container or "")
+        if q is None:
+            raise NotFound(
+                f"no subscription named {link.name!r} (a consumer must name a source "
+                "address, ask for a dynamic node, or name an existing subscription)"
+            )
+        if q.consumer_count:
+            raise PreconditionFailed(
+                f"subscription {q.subscription_name!r} has active consumers; close them "
+                "before unsubscribing"
+            )
+        src = link.source
+        src.address = q.address.name if q.address is not None else q.name
+        src.durability = Terminus.DELIVERIES if q.durable else Terminus.NONDURABLE
+        src.expiry_policy = Terminus.EXPIRE_NEVER if q.durable else Terminus.EXPIRE_WITH_LINK
+        src.distribution_mode = Terminus.DIST_MODE_COPY
+        src.capabilities.put_array(False, proton.Data.SYMBOL)
+        src.capabilities.enter()
+        src.capabilities.put_symbol("topic")
+        src.capabilities.exit()
+        link.target.copy(link.remote_target)
+        h = ConsumerLink(self, link, priority=0, presettled=False, temporary_queue=False)
+        self.links[h.ptr] = h
+        link.open()
+        q.add_consumer(h)
+
     def _attach_producer(self, link: Any) -> None:
         tgt = link.remote_target
         broker = self.broker
         if tgt.type == Terminus.COORDINATOR:
-            raise NotImplementedFeature(
-                "transactions are not supported by this broker yet; send without a "
-                "transaction (Qpid JMS: use a non-transacted session)"
-            )
+            self._attach_coordinator(link)
+            return
         temp = None
         address = None
-        if tgt.dynamic:
+        if tgt.dynamic and "temporary-topic" in _symbols(tgt.capabilities):
+            address = broker.create_temporary_topic()
+            self._temp_topics[link._impl] = address
+            name = address.name
+        elif tgt.dynamic:
             temp = broker.create_temporary_queue()
             address = temp.address
             name = temp.name
@@ -527,6 +729,22 @@ class AmqpConnection:
         link.open()
         h.start()
 
+    def _attach_coordinator(self, link: Any) -> None:
+        caps = _symbols(link.remote_target.capabilities)
+        if caps and LOCAL_TRANSACTIONS not in caps:
+            raise NotImplementedFeature(
+                f"this broker supports local transactions only ({LOCAL_TRANSACTIONS}); "
+                f"the coordinator asked for {', '.join(sorted(caps))}"
+            )
+        link.target.copy(link.remote_target)
+        link.source.copy(link.remote_source)
+        link.rcv_settle_mode = Link.RCV_FIRST
+        link.snd_settle_mode = link.remote_snd_settle_mode
+        h = CoordinatorLink(self, link)
+        self.links[h.ptr] = h
+        link.open()
+        h.start()
+
     def _attach_management(self, link: Any) -> None:
         h = self.management.attach(self, link)
         self.links[h.ptr] = h
@@ -539,7 +757,19 @@ class AmqpConnection:
         ptr = link._impl
         h = self.links.get(ptr)
         if h is not None:
+            q = h.queue if isinstance(h, ConsumerLink) else None
             self._detach_handler(ptr, h)
+            if (
+                closed
+                and q is not None
+                and q.durable
+                and q.subscription_name is not None
+                and not q.deleted
+                and not q.consumer_count
+            ):
+                # detach keeps a durable subscription, close removes it (unsubscribe)
+                log.info("connection %s: subscription %r removed", self.conn_id, q.name)
+                self.broker.delete_queue(q)
         if closed:
             link.close()
         else:
@@ -550,8 +780,20 @@ class AmqpConnection:
     def _detach_handler(self, ptr: Any, h: Any, failed: bool = False) -> None:
         del self.links[ptr]
         h.detach(self.broker, failed)
+        a = self._temp_topics.pop(ptr, None)
+        if a is not None:
+            self._drop_temporary_topic(a)
 
-    def detach_link(self, h: ConsumerLink | ProducerLink, condition: str, description: str) -> None:
+    def _drop_temporary_topic(self, a: Any) -> None:
+        for c in self.broker.delete_address(a):
+            if isinstance(c, ConsumerLink) and c.conn is not self:
+                c.conn.detach_link(c, "amqp:resource-deleted", "the temporary topic was deleted")
+            elif isinstance(c, ConsumerLink):
+                self.detach_link(c, "amqp:resource-deleted", "the temporary topic was deleted")
+
+    def detach_link(
+        self, h: ConsumerLink | ProducerLink | CoordinatorLink, condition: str, description: str
+    ) -> None:
         """Close a link from our side (its queue was deleted, message too large...)."""
         if self.links.get(h.ptr) is h:
             self._detach_handler(h.ptr, h)
@@ -565,6 +807,18 @@ class AmqpConnection:
         if self._cleaned:
             return
         self._cleaned = True
+        if self.txns:
+            # roll back first: returned messages go back to their places before the
+            # consumers detach and release their groups; no credit, so none of them is
+            # handed again to a consumer of this connection on its way out
+            for h in self.links.values():
+                if isinstance(h, ConsumerLink):
+                    h.credit = 0
+            self.txns.rollback_all(self.broker)
+        if self._sole_container is not None:
+            if self.broker.containers.get(self._sole_container) == self.conn_id:
+                del self.broker.containers[self._sole_container]
+            self._sole_container = None
         for ptr, h in list(self.links.items()):
             self._detach_handler(ptr, h, failed)
         self._sessions.clear()

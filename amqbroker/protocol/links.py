@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from amqbroker.core.address import Address
 from amqbroker.core.broker import ROUTED_SYNC, Broker
@@ -29,9 +29,19 @@ from amqbroker.core.consumer import Consumer
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError
 from amqbroker.core.queue import Queue
+from amqbroker.core.transaction import (
+    ACCEPT,
+    MODIFIED,
+    REJECT,
+    RELEASE,
+    MalformedTransactionalState,
+    Outcome,
+    UnknownTransaction,
+)
 from amqbroker.protocol import fastpath as fp
 from amqbroker.protocol.fastpath import (
     PN_ACCEPTED,
+    PN_TRANSACTIONAL,
     delivery_partial,
     delivery_pending,
     delivery_remote_state,
@@ -57,13 +67,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class SyncWaiter(Protocol):
+    """A link waiting for store batches (producers; the coordinator's commits)."""
+
+    def on_synced(self, batch_no: int) -> None: ...
+
+
 class SyncTracker:
     """Producers waiting for the store to sync the batch holding their messages."""
 
     def __init__(self, ticket: Callable[[], int]) -> None:
         #: number of the store batch that will hold records appended now
         self.ticket = ticket
-        self.waiters: set[ProducerLink] = set()
+        self.waiters: set[SyncWaiter] = set()
 
     def synced(self, batch_no: int) -> None:
         for w in list(self.waiters):
@@ -163,12 +179,57 @@ class ConsumerLink(Consumer):
             q.reject(self, e)
         elif state == 0 and fp.remotely_settled(d):
             q.ack(self, e)  # settled without an outcome: taken as accepted
-        else:
+        elif state != PN_TRANSACTIONAL or not self._enlist(d, q, e):
             self.unsettled[d] = e  # received / no terminal outcome yet
             return
         fp.settle(d)
         if not self.conn.dirty:
             self.conn.mark_dirty()
+
+    def _enlist(self, d: Any, q: Queue, e: Entry) -> bool:
+        """A transactional outcome: the transaction holds it until discharge and the
+        message stays in flight. False when the state carries no terminal outcome yet
+        (the delivery stays unsettled). A message the transaction cannot hold (unknown
+        txn-id, bound reached) goes back to its queue as a rollback would return it."""
+        st = fp.transactional_state(d)
+        if st is None:
+            log.warning(
+                "connection %s: consumer %r sent a malformed transactional state; the "
+                "message is returned to queue %r",
+                self.conn.conn_id,
+                self.name,
+                q.name,
+            )
+            q.release(self, e, delivery_failed=True)
+            return True
+        txn_id, code, failed, undeliverable = st
+        if code == PN_ACCEPTED or (code == 0 and fp.remotely_settled(d)):
+            outcome = ACCEPT
+        elif code == fp.PN_REJECTED:
+            outcome = REJECT
+        elif code == fp.PN_RELEASED:
+            outcome = RELEASE
+        elif code == fp.PN_MODIFIED:
+            outcome = Outcome(MODIFIED, failed, undeliverable)
+        else:
+            return False
+        t = self.conn.txns.get(txn_id)
+        try:
+            if t is None:
+                raise UnknownTransaction(
+                    f"acknowledgement in unknown transaction {txn_id.hex() or '(empty)'}"
+                )
+            t.add_ack(q, self, e, outcome)
+        except BrokerError as exc:
+            log.warning(
+                "connection %s: consumer %r: %s; the message is returned to queue %r",
+                self.conn.conn_id,
+                self.name,
+                exc.description,
+                q.name,
+            )
+            q.release(self, e, delivery_failed=True)
+        return True
 
     def on_flow(self) -> None:
         ptr = self.ptr
@@ -205,6 +266,7 @@ class ProducerLink:
         "fallback",
         "link",
         "max_size",
+        "origin",
         "ptr",
         "rbuf",
         "sync",
@@ -235,6 +297,8 @@ class ProducerLink:
         self.blocked = False
         self.closed = False
         self.rbuf = conn.rbuf
+        #: stamped on every message (no-local filters compare it)
+        self.origin = conn.conn_id
         self.sync = conn.sync
         self.waiting: deque[tuple[Any, int]] = deque()
         self.temporary_queue = temporary_queue
@@ -306,7 +370,9 @@ class ProducerLink:
             )
             return
         try:
-            durable, prio, ttl, abs_exp, dc, gid, gseq, to = scan(data, self.fallback)
+            durable, prio, ttl, abs_exp, dc, gid, gseq, to, dtime, ddelay = scan(
+                data, self.fallback
+            )
         except ScanError as exc:
             self._refuse(d, presettled, "amqp:decode-error", f"malformed message: {exc}")
             return
@@ -323,15 +389,27 @@ class ProducerLink:
                         "properties.to; set the destination address on the message",
                     )
                     return
-                a = broker.address_for_relay(to)
+                a = broker.address_for_relay(to, data)
             expiry = 0
             if ttl:
                 expiry = int(broker.clock() * 1000) + ttl
             if abs_exp and (not expiry or abs_exp < expiry):
                 expiry = abs_exp
             e = Entry(data, durable, prio if prio < 10 else 9, expiry, dc, gid, gseq)
+            e.origin = self.origin
+            if dtime or ddelay:
+                # JMS delivery delay: x-opt-delivery-delay (relative) wins over time
+                e.deliver_at = int(broker.clock() * 1000) + ddelay if ddelay > 0 else dtime
+            if delivery_remote_state(d) == PN_TRANSACTIONAL:
+                self._enlist(d, a, e, presettled)
+                return
             qs = a.queues
-            if len(qs) == 1 and not (a.full_policy == "FAIL" and a.full):
+            if (
+                len(qs) == 1
+                and qs[0].filter is None
+                and qs[0].no_local_origin is None
+                and not (a.full_policy == "FAIL" and a.full)
+            ):
                 # the common case, without the generic router
                 q = qs[0]
                 q.enqueue(e)
@@ -354,6 +432,23 @@ class ProducerLink:
         if self.address is None and a.full and a.full_policy != "FAIL" and not self.blocked:
             self.blocked = True
             a.block(self)
+
+    def _enlist(self, d: Any, a: Address, e: Entry, presettled: bool) -> None:
+        """A transactional transfer: held by its transaction, routed at commit, and
+        answered with transactional-state {txn-id, accepted}. Raises BrokerError
+        (unknown txn-id, bound, full address) for the caller to reject."""
+        st = fp.transactional_state(d)
+        if st is None:
+            raise MalformedTransactionalState(
+                "malformed transactional state on the transfer: expected [txn-id binary, outcome?]"
+            )
+        txn_id = st[0]
+        t = self.conn.txns.require(txn_id)
+        t.add_send(a, e)
+        if presettled:
+            delivery_settle(d)
+        else:
+            fp.transactional_accept(d, txn_id)
 
     def _refuse(self, d: Any, presettled: bool, condition: str, description: str) -> None:
         if presettled:

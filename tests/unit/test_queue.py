@@ -1221,6 +1221,7 @@ def test_statistics() -> None:
         "stuck_messages": 0,
         "unmatched": 1,
         "delayed": 0,
+        "scheduled": 0,
         "dispatching": True,
     }
 

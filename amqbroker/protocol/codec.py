@@ -55,7 +55,19 @@ class ScannerCodec:
             e.fields = (extract, fields)
             return match(fields)
 
-        return accepts
+        if "JMSXDeliveryCount" not in sel.identifiers:
+            return accepts
+
+        def accepts_counted(e: Entry) -> bool:
+            # the header in the stored bytes keeps the count it arrived with; the
+            # entry has the current one (redeliveries)
+            accepts(e)
+            cached = e.fields
+            if cached is None or cached[0] is not extract:
+                return False  # undecodable
+            return match({**cached[1], "JMSXDeliveryCount": e.delivery_count + 1})
+
+        return accepts_counted
 
     def destination_routing(self, data: bytes) -> str | None:
         return _JMS_DEST_ROUTING.get(scanner.jms_dest(data) or -1)

@@ -618,3 +618,18 @@ async def test_scheduled_message_survives_restart(
     assert x.body == "scheduled"
     r.accept(x)
     await c.close()
+
+
+async def test_selector_on_delivery_count_sees_redeliveries(connect: ConnectFactory) -> None:
+    """JMSXDeliveryCount is the entry's current count, not the one in the stored
+    header (the cached fields must not go stale)."""
+    c = await connect()
+    retry = await c.receiver("sel.dc", credit=5, configure=selector("JMSXDeliveryCount >= 2"))
+    s = await c.sender("sel.dc")
+    await s.send(msg("m"))
+    await retry.expect_none(0.2)  # evaluated (and its fields cached) at count 1
+    first = await c.receiver("sel.dc", credit=1)
+    got = await first.receive()
+    first.modify(got, failed=True)
+    again = await retry.receive()
+    assert again.body == "m" and again.message.delivery_count == 1

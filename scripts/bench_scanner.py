@@ -42,13 +42,13 @@ def _messages() -> dict[str, bytes]:
 
     msgs["JMS text, no group"] = jms()
     # Qpid JMS sends the delivery time as a long; other clients as a timestamp
-    msgs["JMS text, x-opt-delivery-time long"] = jms(
+    msgs["JMS text, delivery-time (long)"] = jms(
         annotations={**ann, symbol("x-opt-delivery-time"): 1700000060123}
     )
-    msgs["JMS text, x-opt-delivery-time timestamp"] = jms(
+    msgs["JMS text, delivery-time (timestamp)"] = jms(
         annotations={**ann, symbol("x-opt-delivery-time"): timestamp(1700000060123)}
     )
-    msgs["JMS text, x-opt-delivery-delay"] = jms(
+    msgs["JMS text, delivery-delay"] = jms(
         annotations={**ann, symbol("x-opt-delivery-delay"): 5000}
     )
     msgs["JMS text, properties.group-id"] = jms(group_id="customer-42", group_sequence=7)

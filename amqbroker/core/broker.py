@@ -484,9 +484,10 @@ class Broker:
         return consumers
 
     # -------------------------------------------------------------- routing
-    def route(self, a: Address, e: Entry) -> int:
-        """Route one arriving message. Raises ResourceLimitExceeded (FAIL policy)."""
-        if a.full_policy == "FAIL" and a.full:
+    def route(self, a: Address, e: Entry, *, check_full: bool = True) -> int:
+        """Route one arriving message. Raises ResourceLimitExceeded (FAIL policy)
+        unless `check_full` is off (a transaction's commit: checked when enlisted)."""
+        if check_full and a.full_policy == "FAIL" and a.full:
             raise ResourceLimitExceeded(
                 f"{a.full_reason()} (address_full_policy FAIL): the message was not accepted"
             )

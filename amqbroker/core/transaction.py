@@ -190,12 +190,7 @@ class Transaction:
                 )
                 return False
         # the FAIL check was made when the message was enlisted: the commit routes all
-        policy = cur.full_policy
-        cur.full_policy = "BLOCK"
-        try:
-            return broker.route(cur, e) == ROUTED_SYNC
-        finally:
-            cur.full_policy = policy
+        return broker.route(cur, e, check_full=False) == ROUTED_SYNC
 
     def rollback(self, broker: Broker) -> None:
         """Drop the held sends; return the held messages to their queues (same owner,

@@ -62,6 +62,20 @@ MEM   1,000,000 x 100 B sent to a queue without consumer: broker RSS growth per 
 Options given explicitly override a scenario's values (e.g. ``--scenario A --count
 20000``). Without --scenario one run is made from the options.
 
+JMS features (any scenario)
+---------------------------
+--selector [TEXT]  every consumer attaches with a JMS selector filter (key jms-selector,
+      descriptor 0x0000468C00000004; default "kind = 'load' AND n >= 0") and producers
+      add application properties kind='load' (string) and n=<message index> (long), so
+      that the default selector matches every message. --app-props adds the properties
+      without a selector (the baseline that isolates the filter).
+--txn-batch N  producers send in local transactions of N messages, on the raw path too:
+      a coordinator link (capability amqp:local-transactions) on the producer's session,
+      Declare -> declared {txn-id}, N transfers carrying transactional-state {txn-id},
+      Discharge [txn-id, false], and the next Declare only after its accepted.
+      "producers ... msgs/s" is then the committed rate.
+Runs with these options are labelled e.g. "C+sel", "A+txn100".
+
 --ceiling runs the same worker processes against a minimal in-script "null broker" (a
 raw-cffi relay: accepts connections, forwards every transfer from producer links to
 consumer links, settles; no queue logic) and so shows what the client itself can move
@@ -115,6 +129,27 @@ DURABLE_HEADER = b"\x00\x53\x70\xc0\x02\x01\x41"
 _PROPS_HEAD = b"\x00\x53\x73\xc0"
 _PROPS_NULLS = b"\x0b" + b"\x40" * 10 + b"\xa1"
 
+#: application properties of --selector runs: kind='load' (str8), n=<message index> (long)
+_APP_PROPS_FIXED = b"\xa1\x04kind\xa1\x04load"
+N_FIELD = struct.Struct(">q")
+#: offset of n's 8 value bytes in the section app_props() returns
+APP_PROPS_N_OFFSET = 6 + len(_APP_PROPS_FIXED) + 4
+DEFAULT_SELECTOR = "kind = 'load' AND n >= 0"
+#: the JMS selector filter (Qpid JMS sends it under the key jms-selector)
+SELECTOR_FILTER_KEY = "jms-selector"
+SELECTOR_FILTER_CODE = 0x0000468C00000004
+#: transactions (AMQP 1.0 part 4): declare, discharge, declared, transactional-state
+TXN_DECLARE, TXN_DISCHARGE, TXN_DECLARED, TXN_STATE = 0x31, 0x32, 0x33, 0x34
+#: amqp-value section holding a Declare with an empty field list
+DECLARE_MESSAGE = b"\x00\x53\x77\x00\x53\x31\x45"
+
+
+def discharge_message(txn_id: bytes, fail: bool = False) -> bytes:
+    """amqp-value section holding Discharge [txn-id, fail]."""
+    fields = b"\xa0%c%s%s" % (len(txn_id), txn_id, b"\x41" if fail else b"\x42")
+    return b"\x00\x53\x77\x00\x53\x32\xc0%c\x02%s" % (len(fields) + 1, fields)
+
+
 #: hol-strict.# gets group_skip_ahead=false when --start-broker starts amqbroker
 HOL_STRICT_PREFIX = "hol-strict."
 #: producers prebuild the properties of up to this many groups (~60 B each)
@@ -137,22 +172,41 @@ def group_id(g: int) -> bytes:
     return b"g%d" % g
 
 
-def message_head(size: int, *, durable: bool = False, group: int | None = None) -> bytes:
-    """Everything of a message before its body's bytes: [header] [properties] and the
-    data section's descriptor and length."""
+def app_props(n: int) -> bytes:
+    """The application-properties section of --selector/--app-props runs:
+    {kind: 'load', n: <n as long>} (map8; n fixed-width, so a template is rewritten in
+    place at APP_PROPS_N_OFFSET)."""
+    body = _APP_PROPS_FIXED + b"\xa1\x01n\x81" + N_FIELD.pack(n)
+    return b"\x00\x53\x74\xc1%c\x04%s" % (len(body) + 1, body)
+
+
+def message_head(
+    size: int, *, durable: bool = False, group: int | None = None, n: int | None = None
+) -> bytes:
+    """Everything of a message before its body's bytes: [header] [properties]
+    [application-properties, when `n` is given] and the data section's descriptor and
+    length."""
     head = DURABLE_HEADER if durable else b""
     if group is not None:
         gid = group_id(group)
         head += b"%s%c%s%c%s" % (_PROPS_HEAD, 13 + len(gid), _PROPS_NULLS, len(gid), gid)
+    if n is not None:
+        head += app_props(n)
     return head + data_section_head(size)
 
 
 def encode_message(
-    payload: bytes, size: int, *, durable: bool = False, group: int | None = None
+    payload: bytes,
+    size: int,
+    *,
+    durable: bool = False,
+    group: int | None = None,
+    n: int | None = None,
 ) -> bytes:
     """A complete bare message as the producers build it. `payload` is the packed
     32-byte head of the body; the rest of the body is padding."""
-    return message_head(size, durable=durable, group=group) + payload + b"x" * (size - len(payload))
+    head = message_head(size, durable=durable, group=group, n=n)
+    return head + payload + b"x" * (size - len(payload))
 
 
 # --------------------------------------------------------------------------- statistics
@@ -362,6 +416,14 @@ if lib is not None:
     PN_LINK_FLOW = lib.PN_LINK_FLOW
     PN_TRANSPORT = lib.PN_TRANSPORT
     PN_ACCEPTED = lib.PN_ACCEPTED
+    _local_state = lib.pn_delivery_local
+    _remote_disp = lib.pn_delivery_remote
+    _disp_data = lib.pn_disposition_data
+    _d_clear = lib.pn_data_clear
+    _d_put_list = lib.pn_data_put_list
+    _d_put_binary = lib.pn_data_put_binary
+    _d_enter = lib.pn_data_enter
+    _d_exit = lib.pn_data_exit
     IGNORED_EVENTS = frozenset((lib.PN_LINK_FLOW, lib.PN_TRANSPORT))
     PN_TERMINAL = frozenset((lib.PN_ACCEPTED, lib.PN_REJECTED, lib.PN_RELEASED, lib.PN_MODIFIED))
     PN_LINK_REMOTE_OPEN = lib.PN_LINK_REMOTE_OPEN
@@ -685,8 +747,42 @@ class ProducerWorker(ClientWorker):
         self._seg_start = 0
         self._heads_key: tuple[int, int] | None = None
         self._heads: list[bytes] = []
+        # --selector/--app-props: application properties kind='load', n=<index>
+        self.with_props = bool(spec.get("app_props"))
+        self.n_off = -1
+        if self.with_props:
+            head = message_head(self.size, durable=durable, n=0)
+            self.template = bytearray(head + bytes(MIN_SIZE) + self.pad)
+            self.tpl_off = len(head)
+            self.tpl_ptr = ffi.from_buffer(self.template)
+            self.n_off = len(DURABLE_HEADER if durable else b"") + APP_PROPS_N_OFFSET
+        # --txn-batch: local transactions of txn_batch messages (raw path as well)
+        self.settled = 0
+        self.committed = 0
+        self.txn_sent = 0  # messages sent in the open transaction
+        self.txn_phase = "declare"  # declare | declaring | open | discharge | discharging
+        self.txn_id = b""
+        self._txn_buf: Any = None
+        self._txn_bytes: Any = None
+        self.coord_lp = self.coord._impl if self.coord is not None else None
+        self._ctagp = ffi.new("uint32_t *")
+        self._ctagb = ffi.new("pn_bytes_t *", (4, ffi.cast("char *", self._ctagp)))
+        self._ctl_sent = 0
 
     def make_link(self, ssn: Any) -> Any:
+        self.txn_batch = int(self.spec.get("txn_batch") or 0)
+        self.coord: Any = None
+        if self.txn_batch:
+            # the transaction coordinator, as Qpid JMS attaches it
+            coord = ssn.sender(f"perf-coordinator-{self.slot}")
+            coord.target.type = proton.Terminus.COORDINATOR
+            caps = coord.target.capabilities
+            caps.put_array(False, proton.Data.SYMBOL)
+            caps.enter()
+            caps.put_symbol("amqp:local-transactions")
+            caps.exit()
+            coord.open()
+            self.coord = coord
         link = ssn.sender(f"perf-sender-{self.slot}")
         link.target.address = self.spec["address"]
         if self.spec.get("durable"):
@@ -700,8 +796,18 @@ class ProducerWorker(ClientWorker):
     def on_go(self) -> None:
         self.t_start = time.monotonic_ns()
 
+    def control(self, ev: Any, et: int) -> None:
+        if et == PN_LINK_REMOTE_OPEN and self.coord is not None:
+            active = proton.Endpoint.REMOTE_ACTIVE
+            if not (self.link.state & active and self.coord.state & active):
+                return  # ready once both the sender and the coordinator are attached
+        super().control(ev, et)
+
     def pump(self) -> None:
         coll = self.coll
+        coord_lp = self.coord_lp
+        # a transactional transfer is answered with transactional-state {txn, accepted}
+        ok = TXN_STATE if coord_lp is not None else PN_ACCEPTED
         while True:
             ev = _peek(coll)
             if not ev:
@@ -710,8 +816,10 @@ class ProducerWorker(ClientWorker):
             if et == PN_DELIVERY:
                 d = _edelivery(ev)
                 st = _remote_state(d)
-                if st in PN_TERMINAL or _remote_settled(d):
-                    if st != PN_ACCEPTED:
+                if coord_lp is not None and _dlink(d) == coord_lp:
+                    self.on_coordinator(d, st)
+                elif st in PN_TERMINAL or _remote_settled(d):
+                    if st != ok:
                         self.not_accepted += 1
                         if self.first_error is None:
                             self.first_error = f"outcome {st} (not accepted)"
@@ -719,16 +827,78 @@ class ProducerWorker(ClientWorker):
             elif et not in IGNORED_EVENTS:
                 self.control(ev, et)
             _pop(coll)
-        if not self.presettled:
-            self.acked = self.sent - _unsettled(self.lp)
+        if coord_lp is not None:
+            self.settled = self.sent - _unsettled(self.lp)
+            self.acked = self.committed
+            if self.committed >= self.target and self.state == ST_READY and self.going:
+                self.state = ST_DONE
+                self.t_last = time.monotonic_ns()
+        elif not self.presettled:
+            self.acked = self.settled = self.sent - _unsettled(self.lp)
             if self.acked >= self.target and self.state == ST_READY and self.going:
                 self.state = ST_DONE
                 self.t_last = time.monotonic_ns()
+
+    # ------------------------------------------------------------ transactions
+    def on_coordinator(self, d: Any, st: int) -> None:
+        """The coordinator's answer to a Declare (declared {txn-id}) or a Discharge
+        (accepted)."""
+        if not (st or _remote_settled(d)):
+            return
+        if self.txn_phase == "declaring" and st == TXN_DECLARED:
+            data = _disp_data(_remote_disp(d))
+            lib.pn_data_rewind(data)
+            txn_id = b""
+            if lib.pn_data_next(data) and _d_enter(data) and lib.pn_data_next(data):
+                b = lib.pn_data_get_binary(data)
+                txn_id = bytes(ffi.buffer(b.start, b.size)) if b.size else b""
+            if not txn_id:
+                self.fail("declared without a txn-id")
+            self.txn_id = txn_id
+            self._txn_buf = ffi.new("char[]", txn_id)
+            self._txn_bytes = ffi.new("pn_bytes_t *", (len(txn_id), self._txn_buf))[0]
+            self.txn_sent = 0
+            self.txn_phase = "open"
+        elif self.txn_phase == "discharging" and st == PN_ACCEPTED:
+            self.committed += self.txn_sent
+            self.txn_sent = 0
+            self.txn_phase = "declare"
+        else:
+            self.fail(f"coordinator answered {st:#x} in phase {self.txn_phase}")
+        _settle(d)
+
+    def send_control(self, body: bytes) -> bool:
+        """One Declare/Discharge on the coordinator link (False: no credit yet)."""
+        lp = self.coord_lp
+        if _credit(lp) <= 0:
+            return False
+        self._ctagp[0] = self._ctl_sent
+        self._ctl_sent += 1
+        _new_delivery(lp, self._ctagb[0])
+        _send(lp, body, len(body))
+        _advance(lp)
+        return True
+
+    def work_txn(self) -> int:
+        """Drive the transaction; returns how many messages may be sent now."""
+        phase = self.txn_phase
+        if phase == "declare":
+            if self.sent < self.target and self.send_control(DECLARE_MESSAGE):
+                self.txn_phase = "declaring"
+            return 0
+        if phase == "open":
+            left = min(self.txn_batch, self.target - self.committed) - self.txn_sent
+            if left > 0:
+                return left
+            if self.send_control(discharge_message(self.txn_id)):
+                self.txn_phase = "discharging"
+        return 0
 
     def after_flush(self) -> None:
         # presettled: done once everything is sent and written to the socket
         if (
             self.presettled
+            and self.coord_lp is None
             and self.state == ST_READY
             and self.going
             and self.sent >= self.target
@@ -738,25 +908,36 @@ class ProducerWorker(ClientWorker):
             self.t_last = time.monotonic_ns()
 
     def work(self) -> None:
-        if not self.going or self.state != ST_READY or self.sent >= self.target:
+        if not self.going or self.state != ST_READY:
+            return
+        txn = self.coord_lp is not None
+        # with transactions: declare/discharge even when everything is sent
+        allowed = self.work_txn() if txn else self.target
+        if self.sent >= self.target:
             return
         lp = self.lp
         sent = self.sent
-        n = min(int(_credit(lp)), self.target - sent)
+        n = min(int(_credit(lp)), self.target - sent, allowed)
         if not self.presettled:
-            n = min(n, self.window - (sent - self.acked))
+            n = min(n, self.window - (sent - self.settled))
         if self.rate > 0:
             due = int((time.monotonic_ns() - self.t_start) * self.rate / 1e9) + 1
             n = min(n, due - sent)
         if n <= 0:
             return
         end = sent + n
+        if txn:
+            self.txn_sent += n
         now_ns = time.monotonic_ns
         new_delivery, send, advance, settle = _new_delivery, _send, _advance, _settle
         tagp, tag = self._tagp, self.tag
         presettled = self.presettled
         pid = self.pid
         pack_into, pack = PAYLOAD.pack_into, PAYLOAD.pack
+        n_off = self.n_off
+        n_pack = N_FIELD.pack_into
+        txn_bytes = self._txn_bytes
+        local, ddata, update = _local_state, _disp_data, _update
         if self.t_first == 0:
             self.t_first = now_ns()
         while sent < end:
@@ -777,6 +958,17 @@ class ProducerWorker(ClientWorker):
                 while sent < stop:
                     tagp[0] = sent & 0xFFFFFFFF
                     d = new_delivery(lp, tag)
+                    if txn:
+                        # transactional-state {txn-id}, as Qpid JMS sends it
+                        data = ddata(local(d))
+                        _d_clear(data)
+                        _d_put_list(data)
+                        _d_enter(data)
+                        _d_put_binary(data, txn_bytes)
+                        _d_exit(data)
+                        update(d, TXN_STATE)
+                    if n_off >= 0:
+                        n_pack(tpl, n_off, sent)
                     pack_into(tpl, off, MAGIC, now_ns(), pid, sent, NO_GROUP, 0)
                     send(lp, tpl_ptr, tlen)
                     advance(lp)
@@ -792,9 +984,19 @@ class ProducerWorker(ClientWorker):
                     g = gbase + r
                     tagp[0] = sent & 0xFFFFFFFF
                     d = new_delivery(lp, tag)
-                    msg = (heads[r] if heads else self.group_head(g)) + pack(
-                        MAGIC, now_ns(), pid, sent, g, gseq0 + q
-                    )
+                    if txn:
+                        data = ddata(local(d))
+                        _d_clear(data)
+                        _d_put_list(data)
+                        _d_enter(data)
+                        _d_put_binary(data, txn_bytes)
+                        _d_exit(data)
+                        update(d, TXN_STATE)
+                    if n_off >= 0:
+                        head = message_head(self.size, durable=self.durable, group=g, n=sent)
+                    else:
+                        head = heads[r] if heads else self.group_head(g)
+                    msg = head + pack(MAGIC, now_ns(), pid, sent, g, gseq0 + q)
                     msg += pad
                     send(lp, msg, len(msg))
                     advance(lp)
@@ -839,6 +1041,8 @@ class ProducerWorker(ClientWorker):
     def result(self) -> dict[str, Any]:
         r = super().result()
         r.update(sent=self.sent, acked=self.acked, not_accepted=self.not_accepted)
+        if self.coord_lp is not None:
+            r["committed"] = self.committed
         return r
 
 
@@ -867,6 +1071,19 @@ class ConsumerWorker(ClientWorker):
     def make_link(self, ssn: Any) -> Any:
         link = ssn.receiver(f"perf-receiver-{self.slot}")
         link.source.address = self.spec["address"]
+        selector = self.spec.get("selector")
+        if selector:
+            # filter set {jms-selector: described(0x0000468C00000004, selector)}
+            f = link.source.filter
+            f.put_map()
+            f.enter()
+            f.put_symbol(SELECTOR_FILTER_KEY)
+            f.put_described()
+            f.enter()
+            f.put_ulong(SELECTOR_FILTER_CODE)
+            f.put_string(selector)
+            f.exit()
+            f.exit()
         if self.spec.get("durable"):
             link.source.durability = proton.Terminus.CONFIGURATION
         link.snd_settle_mode = proton.Link.SND_UNSETTLED
@@ -1327,6 +1544,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rate", type=float, default=None, help="fixed total msgs/s (0 = as fast as possible)"
     )
+    ap.add_argument(
+        "--selector",
+        nargs="?",
+        const=DEFAULT_SELECTOR,
+        default=None,
+        metavar="TEXT",
+        help="every consumer attaches with this JMS selector (jms-selector filter); producers "
+        f"add application properties kind='load', n=<index> (default {DEFAULT_SELECTOR!r}, "
+        "which matches every message)",
+    )
+    ap.add_argument(
+        "--app-props",
+        action="store_true",
+        help="producers add the --selector application properties, consumers no selector "
+        "(the baseline that isolates the filter's cost)",
+    )
+    ap.add_argument(
+        "--txn-batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="producers send in local transactions of N messages (declare, N transfers, "
+        "discharge, wait for its outcome; 0 = none)",
+    )
     ap.add_argument("--window", type=int, default=1000, help="producer max unsettled (1000)")
     ap.add_argument("--credit", type=int, default=1000, help="consumer credit (1000)")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario (3)")
@@ -1377,7 +1618,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--ceiling does not apply to {','.join(bad)} (needs a real queue)")
     if args.window < 1 or args.credit < 1 or args.runs < 1:
         ap.error("--window, --credit and --runs must be >= 1")
+    if args.txn_batch < 0:
+        ap.error("--txn-batch must be >= 0")
+    if args.selector is not None and not args.selector.strip():
+        ap.error("--selector must not be empty")
+    if args.ceiling and args.txn_batch:
+        ap.error("--txn-batch needs a real broker (the null broker has no coordinator)")
     return args
+
+
+def variant(args: argparse.Namespace) -> str:
+    """Suffix of the scenario name for the JMS feature options ('' for a plain run)."""
+    out = ""
+    if args.selector:
+        out += "+sel"
+    elif args.app_props:
+        out += "+props"
+    if args.txn_batch:
+        out += f"+txn{args.txn_batch}"
+    return out
 
 
 def resolve_scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -1567,6 +1826,9 @@ class Fleet:
             "no_sasl": a.no_sasl,
             "window": a.window,
             "credit": a.credit,
+            "selector": a.selector,
+            "app_props": bool(a.selector or a.app_props),
+            "txn_batch": a.txn_batch,
         }
         spec.update(extra)
         proc = subprocess.Popen(
@@ -1770,7 +2032,7 @@ def base_row(
 ) -> dict[str, Any]:
     return {
         "broker": target.label,
-        "scenario": sc.name,
+        "scenario": sc.name + variant(args),
         "run": run,
         "address": address,
         "count": sc.count,
@@ -1783,6 +2045,9 @@ def base_row(
         "rate": sc.rate,
         "window": args.window,
         "credit": args.credit,
+        "selector": args.selector,
+        "app_props": bool(args.selector or args.app_props),
+        "txn_batch": args.txn_batch,
         "broker_pid": target.pid,
         "ts": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -1849,6 +2114,13 @@ def run_flow(args: argparse.Namespace, target: Target, sc: Scenario, run: int) -
         elapsed = (t_last - t_first) / 1e9 if t_first and t_last > t_first else 0.0
         row["elapsed_s"] = round(elapsed, 4)
         row["msgs_per_s"] = round(row["received"] / elapsed, 1) if elapsed else None
+        # the producers' own rate: first send -> last outcome (last commit with --txn-batch)
+        p_lasts = [w.result.get("t_last", 0) for w in fleet.workers[sc.consumers :] if w.result]
+        p_last = max(p_lasts, default=0)
+        p_elapsed = (p_last - t_first) / 1e9 if t_first and p_last > t_first else 0.0
+        row["producer_msgs_per_s"] = (
+            round(row["acked"] / p_elapsed, 1) if p_elapsed and not sc.presettled else None
+        )
         if win is not None and rss is not None:
             row.update(win.metrics(sc.count))
             row["broker_rss_max_kb"] = rss.max_kb or None
@@ -2030,6 +2302,8 @@ def format_row(r: dict[str, Any]) -> str:
         )
     else:
         parts.append(f"{_fmt(r.get('msgs_per_s'))} msgs/s")
+        if r.get("producer_msgs_per_s"):
+            parts.append(f"(producers {_fmt(r['producer_msgs_per_s'])} msgs/s)")
     if r.get("lat_p50_us") is not None:
         parts.append(
             f"lat p50 {_lat(r['lat_p50_us'])} p90 {_lat(r.get('lat_p90_us'))} "
@@ -2083,6 +2357,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 SUMMARY_KEYS = (
     "msgs_per_s",
+    "producer_msgs_per_s",
     "lat_p50_us",
     "lat_p99_us",
     "broker_cpu_us_per_msg",

@@ -64,11 +64,27 @@ def test_scenarios_and_explicit_overrides() -> None:
         ["--ceiling", "--scenario", "HOL"],
         ["--ceiling", "--start-broker"],
         ["--window", "0"],
+        ["--txn-batch", "-1"],
+        ["--ceiling", "--txn-batch", "10"],
+        ["--selector", " "],
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         perf.parse_args(argv)
+
+
+def test_jms_feature_options() -> None:
+    plain = perf.parse_args(["--scenario", "A"])
+    assert (plain.selector, plain.app_props, plain.txn_batch) == (None, False, 0)
+    assert perf.variant(plain) == ""
+    sel = perf.parse_args(["--scenario", "C", "--selector"])
+    assert sel.selector == perf.DEFAULT_SELECTOR == "kind = 'load' AND n >= 0"
+    assert perf.variant(sel) == "+sel"
+    own = perf.parse_args(["--selector", "n > 5", "--txn-batch", "100"])
+    assert (own.selector, own.txn_batch) == ("n > 5", 100)
+    assert perf.variant(own) == "+sel+txn100"
+    assert perf.variant(perf.parse_args(["--app-props"])) == "+props"
 
 
 def test_groups_are_split_in_blocks_between_producers() -> None:
@@ -167,6 +183,30 @@ def test_hand_encoded_message_decodes(size: int, durable: bool, group: int | Non
     assert perf.PAYLOAD.unpack_from(body)[:3] == (perf.MAGIC, 123, 1)
 
 
+@pytest.mark.parametrize(("durable", "group"), [(False, None), (True, 42)])
+def test_application_properties_for_the_selector(durable: bool, group: int | None) -> None:
+    head = perf.PAYLOAD.pack(perf.MAGIC, 1, 0, 9, group or perf.NO_GROUP, 0)
+    raw = bytearray(perf.encode_message(head, 100, durable=durable, group=group, n=0))
+    if group is None:
+        # producers rewrite n in place in their template
+        off = (len(perf.DURABLE_HEADER) if durable else 0) + perf.APP_PROPS_N_OFFSET
+        perf.N_FIELD.pack_into(raw, off, 123456789012)
+    m = Message()
+    m.decode(bytes(raw))
+    assert m.properties == {"kind": "load", "n": 0 if group is not None else 123456789012}
+    assert m.group_id == (None if group is None else f"g{group}")
+    assert len(bytes(m.body)) == 100
+
+
+def test_coordinator_messages_decode() -> None:
+    m = Message()
+    m.decode(perf.DECLARE_MESSAGE)
+    assert (int(m.body.descriptor), m.body.value) == (0x31, [])
+    m.decode(perf.discharge_message(b"\x00\x01txn"))
+    assert int(m.body.descriptor) == 0x32
+    assert [bytes(m.body.value[0]), m.body.value[1]] == [b"\x00\x01txn", False]
+
+
 # ---------------------------------------------------------------------------- /proc
 
 
@@ -232,3 +272,26 @@ def test_end_to_end_against_a_started_broker() -> None:
     g = _perf_json("--count", "2000", "--groups", "10", "--consumers", "2")
     assert (g["received"], g["errors"], g["group_check"]) == (2000, 0, "ok")
     assert (g["groups_seen"], g["group_split"], g["order_violations"]) == (10, 0, 0)
+
+
+@pytest.mark.slow
+def test_end_to_end_selector_and_transactions() -> None:
+    r = _perf_json("--count", "2000", "--consumers", "2", "--selector", "--txn-batch", "300")
+    assert (r["scenario"], r["received"], r["acked"], r["errors"]) == (
+        "custom+sel+txn300",
+        2000,
+        2000,
+        0,
+    )
+    assert r["producer_msgs_per_s"]
+    # a selector that matches half of the messages: the other half never arrives
+    cmd = [sys.executable, str(SCRIPT), "--start-broker", "--runs", "1", "--warmup", "0"]
+    p = subprocess.run(
+        [*cmd, "--json", "--timeout", "3", "--count", "400", "--selector", "n < 200"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    row = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("{")))
+    assert (p.returncode, row["received"], row["missing"]) == (1, 200, 200)

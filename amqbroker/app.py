@@ -689,19 +689,19 @@ class BrokerApp:
                 c = v.consumer
                 if not isinstance(c, ConsumerLink):
                     continue  # every attached consumer is a link; nothing else to tell
-                where = f"connection {c.connection_id} from {c.conn.peer}"
+                where = c.conn.log_prefix(c.name, queue=v.queue)
                 if not kill:
                     log.warning(
-                        "slow consumer: %s (%s); it keeps its messages "
+                        "%s: slow consumer: %s; it keeps its messages "
                         "(slow_consumer_policy = NOTIFY)",
-                        v.describe(),
                         where,
+                        v.describe(),
                     )
                     continue
                 log.warning(
-                    "slow consumer: %s (%s); detaching it (slow_consumer_policy = KILL)",
-                    v.describe(),
+                    "%s: slow consumer: %s; detaching it (slow_consumer_policy = KILL)",
                     where,
+                    v.describe(),
                 )
                 self.slow_consumers_detached += 1
                 c.conn.detach_link(

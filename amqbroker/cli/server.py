@@ -13,13 +13,19 @@ import click
 from amqbroker.cli.common import echo_json, json_option, table
 
 
+class OneLineFormatter(logging.Formatter):
+    """Every event is one line: line breaks inside a message (a peer's description, a
+    traceback) become ' | ', so a log line can neither be split nor forged by a client."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace("\r", "").replace("\n", " | ")
+
+
 def _setup_logging(level: str) -> None:
     """One handler (stderr) on the root logger: every event is one line there."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 @click.command()

@@ -661,9 +661,10 @@ class Queue:
         g.stuck = True
         self._stuck_groups += 1
         self.stuck_messages += 1
-        owner = g.owner.name if g.owner is not None else "?"
+        o = g.owner
+        owner = f"{o.name!r} of connection {o.connection_id}" if o is not None else "?"
         log.warning(
-            "queue %r: group %r is bound to consumer %r, which does not accept its next "
+            "queue %r: group %r is bound to consumer %s, which does not accept its next "
             "message (seq %d: filter or undeliverable-here); the group waits until it is "
             "reset (amqbroker groups reset), the consumer detaches, or "
             "group_unbind_on_undeliverable is set",

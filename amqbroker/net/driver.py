@@ -200,10 +200,8 @@ class ConnectionDriver:
             elif not conn.opened:
                 if now >= handshake_until:
                     log.info(
-                        "connection %s from %s: no AMQP open within handshake_timeout "
-                        "(%.1f s); dropped",
-                        conn.conn_id,
-                        conn.peer,
+                        "%s: no AMQP open within handshake_timeout (%.1f s); dropped",
+                        conn.log_prefix(),
                         self.handshake_timeout,
                     )
                     self._finish()
@@ -249,7 +247,7 @@ class Driver(ConnectionDriver):
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as exc:
-                    log.info("connection %s: socket error: %s", conn.conn_id, exc)
+                    log.info("%s: socket error: %s", conn.log_prefix(), exc)
                     return
                 if n == 0:
                     conn.input_closed()
@@ -289,7 +287,7 @@ class Driver(ConnectionDriver):
                 self._want_write()
                 break
             except OSError as exc:
-                log.info("connection %s: socket error: %s", conn.conn_id, exc)
+                log.info("%s: socket error: %s", conn.log_prefix(), exc)
                 conn.abort()
                 self._finish()
                 return
@@ -356,7 +354,7 @@ class StreamDriver(ConnectionDriver):
                 data = await stream.receive_some(read_size)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 cause = exc.__cause__ or exc
-                log.info("connection %s: transport error: %s", conn.conn_id, cause)
+                log.info("%s: transport error: %s", conn.log_prefix(), cause)
                 return
             if not data:
                 conn.input_closed()
@@ -400,7 +398,7 @@ class StreamDriver(ConnectionDriver):
             try:
                 await stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                log.info("connection %s: transport error: %s", conn.conn_id, exc.__cause__ or exc)
+                log.info("%s: transport error: %s", conn.log_prefix(), exc.__cause__ or exc)
                 conn.abort()
                 self._finish()
                 return

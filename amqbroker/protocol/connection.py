@@ -26,6 +26,11 @@ client's own and are not checked; the anonymous relay checks each destination
 Invariants: `links` holds exactly the open links of this connection (raw pointer ->
 handler); `cleanup` (on close, transport error or abort) detaches every handler, so
 consumers' unsettled messages return to their queues and temporary queues go away.
+
+Logging: one line per event, each starting with `log_prefix`: `connection c12 from
+127.0.0.1:5555`, and for a link event `...: link 'x' on queue 'orders'` (consumers,
+browsers) or `on address 'orders'` (producers, refused attaches), then `: what
+happened`. Open, attach, detach and close are DEBUG; refusals and failures INFO.
 """
 
 from __future__ import annotations
@@ -60,6 +65,20 @@ from amqbroker.protocol.links import ConsumerLink, ProducerLink, SyncTracker
 from amqbroker.protocol.sasl import SaslServer
 
 log = logging.getLogger(__name__)
+
+
+def _link_kind(h: Any) -> str:
+    """What a link handler is, for a log line."""
+    if isinstance(h, BrowserLink):
+        return "browser"
+    if isinstance(h, ConsumerLink):
+        return "consumer"
+    if isinstance(h, ProducerLink):
+        return "producer" if h.address is not None else "producer (anonymous relay)"
+    if isinstance(h, CoordinatorLink):
+        return "transaction coordinator"
+    return "management"
+
 
 MANAGEMENT_ADDRESS = "$management"
 
@@ -252,7 +271,7 @@ class AmqpConnection:
             self._pre_output += s.take_output()
             if s.failed:
                 self._sasl_failed = True
-                log.info("connection %s from %s: %s", self.conn_id, self.peer, s.error)
+                log.info("%s: %s", self.log_prefix(), s.error)
                 self.mark_dirty()
                 return
             if not s.done:
@@ -407,11 +426,11 @@ class AmqpConnection:
                 self._on_remote_close()
             elif t == EV_TRANSPORT_ERROR:
                 cond = self._transport.condition
-                if cond is not None:
+                # Proton reports an abort once per direction: log the first only
+                if cond is not None and not self._cleaned:
                     log.info(
-                        "connection %s from %s: transport error %s: %s",
-                        self.conn_id,
-                        self.peer,
+                        "%s: transport error %s: %s",
+                        self.log_prefix(),
                         cond.name,
                         cond.description,
                     )
@@ -421,7 +440,7 @@ class AmqpConnection:
         except UnicodeDecodeError as exc:
             # Proton decodes string fields (container-id, link name, address...) only
             # when they are read: a peer's bad UTF-8 is its error, not ours
-            log.info("connection %s from %s: invalid UTF-8: %s", self.conn_id, self.peer, exc)
+            log.info("%s: invalid UTF-8: %s", self.log_prefix(), exc)
             self.close(
                 "amqp:decode-error",
                 f"a string field of your frame is not valid UTF-8 ({exc.reason} at byte "
@@ -429,8 +448,8 @@ class AmqpConnection:
             )
         except Exception:
             log.exception(
-                "connection %s: error handling %s",
-                self.conn_id,
+                "%s: internal error handling %s; connection closed",
+                self.log_prefix(),
                 proton.Event.TYPES.get(t, t) if hasattr(proton.Event, "TYPES") else t,
             )
             self.close("amqp:internal-error", "the broker hit an internal error on this connection")
@@ -452,9 +471,8 @@ class AmqpConnection:
                 c.open()
                 self._opened = True
                 log.info(
-                    "connection %s from %s: refused: container-id %r is in use by connection %s",
-                    self.conn_id,
-                    self.peer,
+                    "%s: refused: container-id %r is in use by connection %s",
+                    self.log_prefix(),
                     container,
                     holder,
                 )
@@ -474,9 +492,8 @@ class AmqpConnection:
         c.open()
         self._opened = True
         log.debug(
-            "connection %s open from %s container=%s user=%s",
-            self.conn_id,
-            self.peer,
+            "%s: open, container-id %r, user %r",
+            self.log_prefix(),
             self.remote_container,
             self.user,
         )
@@ -517,11 +534,11 @@ class AmqpConnection:
         self.mark_dirty()
 
     def _refuse_link(self, link: Any, err: BrokerError) -> None:
+        wanted = link.remote_source.address if link.is_sender else link.remote_target.address
         log.info(
-            "connection %s: refused %s link %r: %s %s",
-            self.conn_id,
+            "%s: refused %s attach: %s %s",
+            self.log_prefix(link.name, address=wanted),
             "consumer" if link.is_sender else "producer",
-            link.name,
             err.condition,
             err.description,
         )
@@ -551,6 +568,10 @@ class AmqpConnection:
                 self._attach_producer(link)
         except BrokerError as err:
             self._refuse_link(link, err)
+        else:
+            h = self.links.get(link._impl)
+            if h is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: %s attached", self._link_prefix(h), _link_kind(h))
         self.mark_dirty()
 
     def authorize(self, permission: str, address: str, *, create: bool = True) -> None:
@@ -668,7 +689,6 @@ class AmqpConnection:
         self.links[h.ptr] = h
         link.open()
         q.add_consumer(h)
-        log.debug("connection %s: consumer %r on queue %r", self.conn_id, link.name, q.name)
 
     def _guard_selector(self, make: Callable[[], Any]) -> Any:
         try:
@@ -707,7 +727,6 @@ class AmqpConnection:
         h = BrowserLink(self, link, q, match)
         self.links[h.ptr] = h
         link.open()
-        log.debug("connection %s: browser %r on queue %r", self.conn_id, link.name, q.name)
 
     def _attach_unsubscribe(self, link: Any) -> None:
         """An attach with no source address names an existing subscription by its link
@@ -819,7 +838,9 @@ class AmqpConnection:
         h = self.links.get(ptr)
         if h is not None:
             q = h.queue if isinstance(h, ConsumerLink) else None
+            where = self._link_prefix(h)
             self._detach_handler(ptr, h)
+            log.debug("%s: %s by the client", where, "closed" if closed else "detached")
             if (
                 closed
                 and q is not None
@@ -829,7 +850,7 @@ class AmqpConnection:
                 and not q.consumer_count
             ):
                 # detach keeps a durable subscription, close removes it (unsubscribe)
-                log.info("connection %s: subscription %r removed", self.conn_id, q.name)
+                log.info("%s: durable subscription removed (link closed)", where)
                 self.broker.delete_queue(q)
         if closed:
             link.close()
@@ -862,12 +883,42 @@ class AmqpConnection:
             h.link.close()
             self.mark_dirty()
 
+    def log_prefix(
+        self, link: str | None = None, *, queue: str | None = None, address: str | None = None
+    ) -> str:
+        """How every log line about this connection (or one of its links) starts:
+        `connection c12 from 127.0.0.1:5555: link 'x' on queue 'orders'`."""
+        where = f"connection {self.conn_id} from {self.peer or '?'}"
+        if link is None:
+            return where
+        where += f": link {link!r}"
+        if queue is not None:
+            return f"{where} on queue {queue!r}"
+        if address is not None:
+            return f"{where} on address {address!r}"
+        return where
+
+    def _link_prefix(self, h: Any) -> str:
+        q = getattr(h, "queue", None)
+        a = getattr(h, "address", None)
+        return self.log_prefix(
+            h.link.name,
+            queue=q.name if q is not None else None,
+            address=a.name if a is not None else None,
+        )
+
     def cleanup(self, *, failed: bool) -> None:
         """Detach every link handler (idempotent). `failed`: the connection was lost
         rather than closed, so unsettled messages count a failed delivery attempt."""
         if self._cleaned:
             return
         self._cleaned = True
+        log.debug(
+            "%s: %s (%d link(s) open)",
+            self.log_prefix(),
+            "lost" if failed else "closed",
+            len(self.links),
+        )
         if self.txns:
             # roll back first: returned messages go back to their places before the
             # consumers detach and release their groups; no credit, so none of them is

@@ -116,9 +116,8 @@ class CoordinatorLink:
 
     def _answer_reject(self, d: Any, presettled: bool, condition: str, description: str) -> None:
         log.info(
-            "connection %s: coordinator %r: %s %s",
-            self.conn.conn_id,
-            self.link.name,
+            "%s (transaction coordinator): %s %s",
+            self.conn.log_prefix(self.link.name),
             condition,
             description,
         )
@@ -165,7 +164,9 @@ class CoordinatorLink:
             )
             return
         t = self.conn.txns.declare(owner=self)
-        log.debug("connection %s: declared transaction %s", self.conn.conn_id, t.txn_id.hex())
+        log.debug(
+            "%s: declared transaction %s", self.conn.log_prefix(self.link.name), t.txn_id.hex()
+        )
         if presettled:
             fp.settle(d)
         else:
@@ -183,7 +184,11 @@ class CoordinatorLink:
         broker = self.broker
         if fail:
             t.rollback(broker)
-            log.debug("connection %s: rolled back %s", self.conn.conn_id, t.txn_id.hex())
+            log.debug(
+                "%s: rolled back transaction %s",
+                self.conn.log_prefix(self.link.name),
+                t.txn_id.hex(),
+            )
             self._accept(d, presettled, False)
             return
         if t.rollback_only is not None:
@@ -199,13 +204,17 @@ class CoordinatorLink:
             raise
         except Exception:
             log.exception(
-                "connection %s: commit of transaction %s failed", self.conn.conn_id, t.txn_id.hex()
+                "%s: commit of transaction %s failed",
+                self.conn.log_prefix(self.link.name),
+                t.txn_id.hex(),
             )
             raise TransactionRolledBack(
                 "the broker hit an internal error while committing; the transaction may "
                 "be partly applied"
             ) from None
-        log.debug("connection %s: committed %s", self.conn.conn_id, t.txn_id.hex())
+        log.debug(
+            "%s: committed transaction %s", self.conn.log_prefix(self.link.name), t.txn_id.hex()
+        )
         self._accept(d, presettled, durable)
 
     def _accept(self, d: Any, presettled: bool, durable: bool) -> None:
@@ -239,8 +248,7 @@ class CoordinatorLink:
         n = self.conn.txns.rollback_all(broker, owner=self)
         if n:
             log.info(
-                "connection %s: coordinator %r detached; rolled back %d open transaction(s)",
-                self.conn.conn_id,
-                self.link.name,
+                "%s: transaction coordinator detached; rolled back %d open transaction(s)",
+                self.conn.log_prefix(self.link.name),
                 n,
             )

@@ -147,8 +147,8 @@ class ConsumerLink(Consumer):
                     # group fallback: a malformed map shows up only here. Deliver the
                     # message as received rather than fail the connection.
                     log.warning(
-                        "queue %r: cannot add %s to message seq %d (%s); delivered as is",
-                        q.name,
+                        "%s: cannot add %s to message seq %d (%s); delivered as is",
+                        self.conn.log_prefix(self.name, queue=q.name),
                         q.first_key,
                         entry.seq,
                         exc,
@@ -213,11 +213,9 @@ class ConsumerLink(Consumer):
         st = fp.transactional_state(d)
         if st is None:
             log.warning(
-                "connection %s: consumer %r sent a malformed transactional state; the "
-                "message is returned to queue %r",
-                self.conn.conn_id,
-                self.name,
-                q.name,
+                "%s: the consumer sent a malformed transactional state; the message is "
+                "returned to the queue",
+                self.conn.log_prefix(self.name, queue=q.name),
             )
             q.release(self, e, delivery_failed=True)
             return True
@@ -241,11 +239,9 @@ class ConsumerLink(Consumer):
             t.add_ack(q, self, e, outcome)
         except BrokerError as exc:
             log.warning(
-                "connection %s: consumer %r: %s; the message is returned to queue %r",
-                self.conn.conn_id,
-                self.name,
+                "%s: %s; the message is returned to the queue",
+                self.conn.log_prefix(self.name, queue=q.name),
                 exc.description,
-                q.name,
             )
             q.release(self, e, delivery_failed=True)
         return True
@@ -490,10 +486,8 @@ class ProducerLink:
             if not self.denied:
                 self.denied = True
                 log.info(
-                    "connection %s: anonymous relay link %r: %s %s (%s; further denials "
-                    "on this link are not logged)",
-                    conn.conn_id,
-                    self.link.name,
+                    "%s (anonymous relay): %s %s (%s; further denials on this link are not logged)",
+                    conn.log_prefix(self.link.name),
                     err.condition,
                     err.description,
                     "dropped: presettled" if presettled else "transfer rejected",
@@ -527,7 +521,12 @@ class ProducerLink:
     def _refuse(self, d: Any, presettled: bool, condition: str, description: str) -> None:
         if presettled:
             fp.settle(d)
-            log.info("dropped a presettled message: %s", description)
+            a = self.address
+            log.info(
+                "%s: dropped a presettled message: %s",
+                self.conn.log_prefix(self.link.name, address=a.name if a is not None else None),
+                description,
+            )
         else:
             fp.reject(d, condition, description)
 

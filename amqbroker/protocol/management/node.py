@@ -113,7 +113,11 @@ class ManagementNode:
             err = core_error(exc)
             status, desc, body = err.status, err.description, None
         except Exception as exc:
-            log.exception("management request %s failed", what)
+            log.exception(
+                "%smanagement request %s failed",
+                f"{conn.log_prefix()}: " if conn is not None else "",
+                what,
+            )
             status, body = INTERNAL, None
             desc = (
                 f"internal error handling {what}: {type(exc).__name__}: {exc}; the broker "

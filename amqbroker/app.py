@@ -32,6 +32,7 @@ from typing import Any
 import trio
 
 from amqbroker import __version__
+from amqbroker.cluster.node import ClusterNode
 from amqbroker.core.address_settings import AddressSettingsRepository
 from amqbroker.core.auth import Authenticator
 from amqbroker.core.broker import Broker
@@ -88,6 +89,7 @@ class BrokerApp:
         self._clock_offset = 0.0
         self._trio_clock: trio.abc.Clock = _NoClock()
         self.exit_code = 0
+        self.cluster: ClusterNode | None = None
 
     # ---------------------------------------------------------------- clock
     def clock(self) -> float:
@@ -143,6 +145,8 @@ class BrokerApp:
         self.auth = Authenticator(s.users, require_auth=s.require_auth)
         self.sync = SyncTracker(lambda: journal.batch_no)
         self.management = ManagementNode(broker)
+        if s.cluster_node_id:
+            self.cluster = ClusterNode(s, broker, self.hub, self.management, data_dir)
         self.hub.after_flush.append(self._store_lot.unpark_all)
         self._limits = ConnectionLimits(
             container_id="amqbroker",
@@ -196,6 +200,9 @@ class BrokerApp:
                 root.start_soon(self._deferred_loop)
                 if s.expiry_scan_period > 0:
                     root.start_soon(self._expiry_loop)
+                if self.cluster is not None:
+                    # cluster connections start before clients are accepted
+                    await root.start(self.cluster.run)
                 if handle_signals:
                     # installed before we report ready: a signal right after the
                     # "listening" line must already stop the broker gracefully
@@ -344,6 +351,8 @@ class BrokerApp:
             self.exit_code = 3
 
     def _close_store(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
         if self.journal is not None:
             try:
                 self.journal.close()

@@ -182,3 +182,51 @@ def groups_reset(
 
 if __name__ == "__main__":
     main()
+
+
+@main.group()
+def cluster() -> None:
+    """Inspect a running cluster node (README "Cluster")."""
+
+
+def _ask_cluster(url: str, op: str, typ: str, user: str | None, password: str | None) -> Any:
+    from amqbroker.protocol.management_client import ManagementRequestError, request
+
+    try:
+        return request(url, op, type=typ, user=user, password=password)
+    except ManagementRequestError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@cluster.command("status")
+@_url
+@_user
+@_password
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--bindings", is_flag=True, help="also list the cluster-wide group bindings")
+def cluster_status(
+    url: str, user: str | None, password: str | None, as_json: bool, bindings: bool
+) -> None:
+    """Nodes, peer links up/down, the grouping arbiter and its epoch."""
+    st = _ask_cluster(url, "clusterStatus", "org.amqbroker.cluster", user, password)
+    rows = None
+    if bindings:
+        rows = _ask_cluster(url, "groupingBindings", "org.amqbroker.grouping", user, password)
+    if as_json:
+        click.echo(json.dumps({"status": st, "bindings": rows}, indent=2, default=str))
+        return
+    click.echo(
+        f"node {st['node']} (grouping {st['grouping']}); arbiter: "
+        f"{st['arbiter'] or 'unknown'}, epoch {st['epoch']}; "
+        f"{st['bindings']} binding(s) here, {st['cachedAnswers']} cached answer(s)"
+    )
+    click.echo(f"{'PEER':12} {'ADDRESS':22} {'LINK':5} {'BRIDGE':>7} {'FORWARDED':>10}  ERROR")
+    for p in st["peers"]:
+        click.echo(
+            f"{p['node']:12} {p['address']:22} {p['link']:5} {p['bridgeDepth']:>7} "
+            f"{p['forwarded']:>10}  {p['lastError']}"
+        )
+    if rows is not None:
+        click.echo(f"{'GROUP KEY':40} {'NODE':12} {'QUEUE':20} EPOCH")
+        for b in rows:
+            click.echo(f"{b['key']!s:40} {b['node']!s:12} {b['queue']!s:20} {b['epoch']}")

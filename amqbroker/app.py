@@ -4,7 +4,34 @@ Tasks (all children of the root nursery): one accept loop per listener, one driv
 per connection (in a separate nursery, so shutdown can give connections a deadline),
 the store writer (group commit: take everything buffered, write + fsync in a worker
 thread, then settle the producers waiting for that batch), the core timer loop, the
-deferred-dispatch loop and the expiry reaper.
+deferred-dispatch loop, the expiry reaper and the slow-consumer check.
+
+Connection limits: `max_connections` (all connections, refused ones included while
+they close) and `max_connections_per_address` (admitted connections per client IP,
+counted in `_per_address`, whose entry goes when its last connection ends). A
+connection over either is opened and closed at once with amqp:resource-limit-exceeded
+and a description naming the setting.
+
+Slow consumers: every `slow_consumer_check_period` seconds `_slow_consumer_loop` asks
+the core's `SlowConsumerDetector` which consumers started a slow episode; each is
+logged, and with `slow_consumer_policy = "KILL"` its link is detached through its
+connection (`AmqpConnection.detach_link`).
+
+Store cycles: the store writer takes the journal's batch and the page store's
+buffered page records together (`_commit_one`), writes both in one worker-thread call
+(pages first) and numbers the cycle. A producer waiting for durability waits for a
+cycle number (`_ticket`: the cycle that will take what is buffered now), complete once
+the journal batch it needs is synced and its pages are written, so a durable message
+that went to a page is settled exactly like one that went to the journal.
+
+Paging: `_depage_loop` wakes when memory is freed while a queue has paged messages
+(or a store cycle completed); for each paging queue with room below the low-water
+mark it reads the oldest records in a worker thread (`PageStore.read`) and hands them
+to `Broker.depage`. A durable queue is read back only while the journal holds less
+than 2 x `store_max_batch_bytes` unwritten (its records are journaled again on the
+way back; without this bound a slow disk would let the journal buffer grow). On
+start, the page store is opened after the journal's queues are restored, so each
+durable queue's page backlog is counted (not loaded) from its `paged_through` mark.
 
 Graceful shutdown (SIGINT/SIGTERM or `request_shutdown`): stop accepting; flush the
 store so producers waiting for a sync get their `accepted`; close every connection
@@ -18,12 +45,14 @@ running under trio's autojump clock move the core's time too.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
 import math
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,17 +64,23 @@ from amqbroker import __version__
 from amqbroker.cluster.node import ClusterNode
 from amqbroker.core.address_settings import AddressSettingsRepository
 from amqbroker.core.auth import Authenticator
+from amqbroker.core.authz import Authorizer
 from amqbroker.core.broker import Broker
+from amqbroker.core.slow_consumers import KILL, SlowConsumerDetector
 from amqbroker.core.timers import Timers
-from amqbroker.net.driver import Driver, Hub
+from amqbroker.net.driver import ConnectionDriver, Driver, Hub, StreamDriver
 from amqbroker.net.listener import ListenError, accept_loop, bind, bound_address
+from amqbroker.net.tls import TlsConfigError, server_context
+from amqbroker.net.tls import handshake as tls_handshake
 from amqbroker.protocol.codec import ScannerCodec
 from amqbroker.protocol.connection import AmqpConnection, ConnectionLimits
 from amqbroker.protocol.fastpath import check_binding
-from amqbroker.protocol.links import SyncTracker
+from amqbroker.protocol.links import ConsumerLink, SyncTracker
 from amqbroker.protocol.management import ManagementNode
 from amqbroker.settings import Settings, parse_listener
 from amqbroker.store.journal import Journal
+from amqbroker.store.paging import PageStore
+from amqbroker.telemetry import Telemetry, TelemetryError
 
 log = logging.getLogger("amqbroker")
 
@@ -72,6 +107,11 @@ class BrokerApp:
         self.settings = settings
         self.hub = Hub()
         self.listening: list[tuple[str, int]] = []
+        #: bound TLS listeners (amqps), in tls_listeners order
+        self.tls_listening: list[tuple[str, int]] = []
+        self._tls_context: ssl.SSLContext | None = None
+        #: TLS handshakes in progress (they count towards max_connections)
+        self._tls_handshakes = 0
         self.journal: Journal | None = None
         self.broker: Broker | None = None
         self.recovered_messages = 0
@@ -82,7 +122,20 @@ class BrokerApp:
         self._store_lock = trio.Lock()
         self._timer_lot = trio.lowlevel.ParkingLot()
         self._deferred_lot = trio.lowlevel.ParkingLot()
+        self._depage_lot = trio.lowlevel.ParkingLot()
+        self.pager: PageStore | None = None
+        #: store cycles taken / complete; journal batch_no right after the last take;
+        #: (cycle, journal batch it needs synced) for cycles not yet complete
+        self._cycle = 0
+        self._cycle_done = 0
+        self._jb_taken = 0
+        self._cycle_waits: collections.deque[tuple[int, int]] = collections.deque()
         self._conn_ids = itertools.count(1)
+        #: client IP -> admitted connections from it (no entry at 0)
+        self._per_address: dict[str, int] = {}
+        self.refused_per_address = 0
+        self.slow_consumers: SlowConsumerDetector | None = None
+        self.slow_consumers_detached = 0
         self._conn_nursery: trio.Nursery | None = None
         self._epoch0 = 0.0
         self._trio0 = 0.0
@@ -90,6 +143,10 @@ class BrokerApp:
         self._trio_clock: trio.abc.Clock = _NoClock()
         self.exit_code = 0
         self.cluster: ClusterNode | None = None
+        #: metrics and traces (amqbroker.telemetry); None while all of it is off.
+        #: `span_exporter`, when set before run() (tests, embedders), gets every span.
+        self.telemetry: Telemetry | None = None
+        self.span_exporter: Any = None
 
     # ---------------------------------------------------------------- clock
     def clock(self) -> float:
@@ -104,6 +161,17 @@ class BrokerApp:
     def _build(self) -> None:
         s = self.settings
         check_binding()
+        if s.tls_listeners:
+            try:
+                self._tls_context = server_context(
+                    cert_file=s.tls_cert_file,
+                    key_file=s.tls_key_file,
+                    ca_file=s.tls_ca_file,
+                    client_auth=s.tls_client_auth,
+                    min_version=s.tls_min_version,
+                )
+            except TlsConfigError as exc:
+                raise StartupError(f"TLS: {exc}") from exc
         data_dir = Path(s.data_dir).expanduser().resolve()
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
@@ -123,6 +191,9 @@ class BrokerApp:
         )
         recovered = journal.open()
         self.journal = journal
+        self._jb_taken = journal.synced_batch_no
+        pager = PageStore(data_dir / "paging", segment_size=s.page_size_bytes, sync=s.store_sync)
+        self.pager = pager
         self.timers = Timers(on_change=self._timer_lot.unpark_all)
         broker = Broker(
             address_settings=AddressSettingsRepository(s.address_settings),
@@ -131,20 +202,58 @@ class BrokerApp:
             timers=self.timers,
             codec=ScannerCodec(),
             dispatch_batch=s.dispatch_batch,
+            age_resolution=s.message_age_resolution,
+            age_marks=s.message_age_marks,
             temporary_queue_prefix=s.temporary_queue_prefix,
             wake=self._deferred_lot.unpark_all,
             global_max_size=s.global_max_size,
+            pager=pager,
+            page_low_water=s.page_low_water,
+            page_read_ahead=s.page_read_ahead_bytes,
+            depage_wake=self._depage_lot.unpark_all,
         )
         self.broker = broker
         for rq in recovered.queues:
             broker.restore_queue(rq.qid, rq.name, rq.attributes, rq.entries)
             self.recovered_queues += 1
             self.recovered_messages += len(rq.entries)
+        restored = {q.qid: q for q in broker.queues.values() if q.durable}
+        for qid, back in pager.open({i: q.page_mark for i, q in restored.items()}).items():
+            q = restored[qid]
+            if q.pager is None:
+                log.warning(
+                    "queue %r has %d paged message(s) but its address policy is no longer "
+                    "PAGE; they are read back as memory frees up, and the queue pages "
+                    "when full until then",
+                    q.name,
+                    back.count,
+                )
+                q.pager = pager
+            q.restore_paged(back.count, back.nbytes, back.max_seq, q.page_mark)
+            self.recovered_messages += back.count
         for ac in s.addresses:
             broker.create_address(ac.name, ac.routing, durable=ac.durable)
-        self.auth = Authenticator(s.users, require_auth=s.require_auth)
-        self.sync = SyncTracker(lambda: journal.batch_no)
-        self.management = ManagementNode(broker)
+        self.auth = Authenticator(
+            s.users,
+            require_auth=s.require_auth,
+            allow_anonymous=s.allow_anonymous,
+            tls_users=s.tls_identity_users,
+        )
+        self.authz = Authorizer(
+            s.security, s.roles, s.security_enabled, cache_size=s.security_cache_size
+        )
+        if s.security_enabled and not s.security:
+            log.warning(
+                "security_enabled is true but [security] has no rules: every attach is "
+                "refused with amqp:unauthorized-access; add rules or set "
+                "security_enabled = false"
+            )
+        self.sync = SyncTracker(self._ticket)
+        self.management = ManagementNode(
+            broker,
+            connections=lambda: list(self.hub.drivers),
+            store_statistics=journal.statistics,
+        )
         if s.cluster_node_id:
             self.cluster = ClusterNode(s, broker, self.hub, self.management, data_dir)
         self.hub.after_flush.append(self._store_lot.unpark_all)
@@ -158,8 +267,11 @@ class BrokerApp:
             max_message_size=s.max_message_size,
             link_credit=s.link_credit,
             max_transaction_messages=s.max_transaction_messages,
+            relay_authz_cache=s.security_relay_cache_size,
             output_high_water=s.output_high_water,
             output_low_water=s.output_low_water,
+            route_tracer=self.telemetry.route_tracer if self.telemetry else None,
+            dispatch_tracer=self.telemetry.dispatch_tracer if self.telemetry else None,
         )
         self._refuse_limits = dataclasses.replace(
             self._limits,
@@ -181,28 +293,46 @@ class BrokerApp:
         self._trio0 = trio.current_time()
         self._trio_clock = trio.lowlevel.current_clock()
         self._clock_offset = self._epoch0 - self._trio0
+        if Telemetry.wanted(self.settings):
+            try:
+                self.telemetry = Telemetry(self.settings, self, span_exporter=self.span_exporter)
+            except TelemetryError as exc:
+                raise StartupError(str(exc)) from exc
         self._build()
         s = self.settings
         sockets: list[socket.socket] = []
+        tls_sockets: list[socket.socket] = []
         try:
             for host, port in [(s.host, s.port)] + [parse_listener(x) for x in s.extra_listeners]:
                 sockets.append(bind(host, port))
-        except ListenError as exc:
-            for sk in sockets:
+            for host, port in [parse_listener(x) for x in s.tls_listeners]:
+                tls_sockets.append(bind(host, port))
+            if self.telemetry is not None:
+                self.telemetry.bind()
+        except (ListenError, TelemetryError) as exc:
+            for sk in sockets + tls_sockets:
                 sk.close()
             self._close_store()
             raise StartupError(str(exc)) from exc
         self.listening = [bound_address(sk) for sk in sockets]
+        self.tls_listening = [bound_address(sk) for sk in tls_sockets]
         try:
             async with trio.open_nursery() as root:
                 root.start_soon(self._store_loop)
                 root.start_soon(self._timer_loop)
                 root.start_soon(self._deferred_loop)
+                root.start_soon(self._depage_loop)
                 if s.expiry_scan_period > 0:
                     root.start_soon(self._expiry_loop)
                 if self.cluster is not None:
                     # cluster connections start before clients are accepted
                     await root.start(self.cluster.run)
+                if s.slow_consumer_threshold > 0:
+                    self.slow_consumers = SlowConsumerDetector(s.slow_consumer_threshold)
+                    root.start_soon(self._slow_consumer_loop, self.slow_consumers)
+                if self.telemetry is not None:
+                    await root.start(self.telemetry.run)
+                    log.info("telemetry: %s", self.telemetry.describe())
                 if handle_signals:
                     # installed before we report ready: a signal right after the
                     # "listening" line must already stop the broker gracefully
@@ -212,11 +342,16 @@ class BrokerApp:
                     async with trio.open_nursery() as accepting:
                         for sk in sockets:
                             accepting.start_soon(accept_loop, sk, self._serve, conns)
+                        for sk in tls_sockets:
+                            accepting.start_soon(accept_loop, sk, self._serve_tls, conns)
                         log.info(
                             "amqbroker %s listening on %s; data in %s (%d queue(s), %d "
                             "message(s) recovered)",
                             __version__,
-                            ", ".join(f"amqp://{h}:{p}" for h, p in self.listening),
+                            ", ".join(
+                                [f"amqp://{h}:{p}" for h, p in self.listening]
+                                + [f"amqps://{h}:{p}" for h, p in self.tls_listening]
+                            ),
                             self.data_dir,
                             self.recovered_queues,
                             self.recovered_messages,
@@ -232,6 +367,8 @@ class BrokerApp:
             with trio.CancelScope(shield=True):
                 await self._final_flush()
             self._close_store()
+            if self.telemetry is not None:
+                self.telemetry.shutdown()
         log.info("amqbroker stopped")
 
     def request_shutdown(self) -> None:
@@ -253,10 +390,57 @@ class BrokerApp:
                 )
                 self.request_shutdown()
 
-    async def _serve(self, sock: socket.socket, peer: str) -> None:
+    async def _serve_tls(self, sock: socket.socket, peer: str) -> None:
+        """A connection on a TLS listener: the TLS handshake, then `_serve` on the
+        stream. Handshakes in progress count towards max_connections: past it the
+        socket is closed at once (nothing can be said to the client before TLS)."""
+        assert self._tls_context is not None
+        s = self.settings
+        accepted_at = trio.current_time()
+        if len(self.hub.drivers) + self._tls_handshakes >= s.max_connections:
+            log.warning(
+                "refusing TLS connection from %s: max_connections (%d) reached (counting "
+                "%d TLS handshake(s) in progress); closed before the handshake",
+                peer,
+                s.max_connections,
+                self._tls_handshakes,
+            )
+            sock.close()
+            return
+        self._tls_handshakes += 1
+        try:
+            shaken = await tls_handshake(
+                sock,
+                self._tls_context,
+                peer=peer,
+                deadline=accepted_at + s.handshake_timeout,
+                handshake_timeout=s.handshake_timeout,
+            )
+        finally:
+            self._tls_handshakes -= 1
+        if shaken is not None:
+            stream, identity = shaken
+            await self._serve(
+                sock, peer, stream=stream, tls_identity=identity, accepted_at=accepted_at
+            )
+
+    async def _serve(
+        self,
+        sock: socket.socket,
+        peer: str,
+        *,
+        stream: trio.SSLStream[trio.SocketStream] | None = None,
+        tls_identity: str | None = None,
+        accepted_at: float | None = None,
+    ) -> None:
+        """One connection: `sock` on the plain path, or `stream` (TLS, handshake done;
+        `accepted_at` starts the opening deadline) over it."""
         assert self.broker is not None
         n = next(self._conn_ids)
         limits = self._limits
+        ip = peer.rpartition(":")[0] or peer  # "host:port", IPv6 host unbracketed
+        per_address = self.settings.max_connections_per_address
+        admitted = False
         if len(self.hub.drivers) >= self.settings.max_connections:
             limits = self._refuse_limits
             log.warning(
@@ -264,6 +448,24 @@ class BrokerApp:
                 peer,
                 self.settings.max_connections,
             )
+        elif per_address > 0 and self._per_address.get(ip, 0) >= per_address:
+            limits = dataclasses.replace(
+                self._limits,
+                refuse_reason=(
+                    f"too many connections from {ip}: max_connections_per_address "
+                    f"({per_address}) reached; close connections you no longer use, or "
+                    "ask the operator to raise max_connections_per_address"
+                ),
+            )
+            self.refused_per_address += 1
+            log.warning(
+                "refusing connection from %s: max_connections_per_address (%d) reached for %s",
+                peer,
+                per_address,
+                ip,
+            )
+        else:
+            admitted = True
         conn = AmqpConnection(
             self.broker,
             limits=limits,
@@ -272,16 +474,40 @@ class BrokerApp:
             peer=peer,
             sync=self.sync,
             management=self.management,
+            authz=self.authz,
             on_dirty=self.hub.on_dirty,
+            tls_identity=tls_identity,
         )
-        driver = Driver(
-            self.hub,
-            conn,
-            sock,
-            read_size=self.settings.read_buffer_size,
-            handshake_timeout=self.settings.handshake_timeout,
-        )
-        await driver.run()
+        driver: ConnectionDriver
+        if stream is None:
+            driver = Driver(
+                self.hub,
+                conn,
+                sock,
+                read_size=self.settings.read_buffer_size,
+                handshake_timeout=self.settings.handshake_timeout,
+            )
+        else:
+            driver = StreamDriver(
+                self.hub,
+                conn,
+                stream,
+                sock=stream.transport_stream.socket,
+                read_size=self.settings.read_buffer_size,
+                handshake_timeout=self.settings.handshake_timeout,
+                accepted_at=accepted_at,
+            )
+        if admitted:  # counted from here on: the finally below takes it back
+            self._per_address[ip] = self._per_address.get(ip, 0) + 1
+        try:
+            await driver.run()
+        finally:
+            if admitted:
+                left = self._per_address[ip] - 1
+                if left:
+                    self._per_address[ip] = left
+                else:
+                    del self._per_address[ip]
 
     async def _graceful_close(self, conns: trio.Nursery) -> None:
         """Settle what producers wait for, close connections, wait for the peers."""
@@ -304,8 +530,10 @@ class BrokerApp:
     async def _store_loop(self) -> None:
         j = self.journal
         assert j is not None
+        pager = self.pager
+        assert pager is not None
         while True:
-            if not j.pending:
+            if not (j.pending or pager.pending):
                 await self._store_lot.park()
                 continue
             try:
@@ -323,18 +551,54 @@ class BrokerApp:
                 self.request_shutdown()
                 return
 
+    def _ticket(self) -> int:
+        """The store cycle that will take what is buffered now (journal records or
+        durable page records); the last cycle taken if nothing is."""
+        j = self.journal
+        p = self.pager
+        if (j is not None and j.batch_no != self._jb_taken) or (p is not None and p.unsynced):
+            return self._cycle + 1
+        return self._cycle
+
     async def _commit_one(self, j: Journal) -> bool:
-        """Take, write (+ fsync in a worker thread) and complete one batch; settle
-        the producers that waited for it. False when nothing was buffered."""
+        """One store cycle: take the journal batch and the buffered page records,
+        write (+ fsync in a worker thread) both, complete them; settle the producers
+        whose cycle is complete. False when nothing was buffered."""
+        pager = self.pager
+        assert pager is not None
         batch = j.take_batch()
-        if batch is None:
+        pages = pager.take()
+        if batch is None and pages is None:
             return False
+        self._cycle += 1
+        self._jb_taken = j.batch_no
+        self._cycle_waits.append((self._cycle, self._jb_taken))
+
+        def write() -> None:
+            if pages is not None:
+                pager.write(pages)
+            if batch is not None:
+                j.write_batch(batch)
+
         if self.settings.store_sync:
-            await trio.to_thread.run_sync(j.write_batch, batch)
+            await trio.to_thread.run_sync(write)
         else:
-            j.write_batch(batch)  # no fsync: cheap enough for the event loop
-        no = j.batch_done(batch)
-        self.sync.synced(no)
+            write()  # no fsync: cheap enough for the event loop
+        if batch is not None:
+            j.batch_done(batch)
+            if self.telemetry is not None and self.settings.store_sync:
+                self.telemetry.store_batch(batch.sync_ms)
+        if pages is not None:
+            pager.done(pages)
+        self._depage_lot.unpark_all()  # pages written / journal backlog shrank
+        synced = j.synced_batch_no
+        waits = self._cycle_waits
+        done = self._cycle_done
+        while waits and waits[0][1] <= synced:
+            done = waits.popleft()[0]
+        self._cycle_done = done
+        pager.cycle_done(done)
+        self.sync.synced(done)
         self.hub.flush()
         return True
 
@@ -380,6 +644,39 @@ class BrokerApp:
                 await trio.lowlevel.checkpoint()
             self.hub.flush()
 
+    async def _depage_loop(self) -> None:
+        """Read paged messages back while their address has room (see the module
+        docstring); parks when there is nothing to read or no room."""
+        broker = self.broker
+        pager = self.pager
+        j = self.journal
+        assert broker is not None and pager is not None and j is not None
+        # reading back into a durable queue journals the messages again: do not run
+        # ahead of the journal writer (its buffer would grow without bound)
+        backlog_max = 2 * self.settings.store_max_batch_bytes
+        while True:
+            progressed = False
+            for q in broker.depage_candidates():
+                if q.durable and j.statistics()["buffered_bytes"] > backlog_max:
+                    continue  # woken again when a store cycle completes
+                room = broker.depage_room(q)
+                plan = pager.plan(q.qid, room) if room > 0 else None
+                if plan is None:
+                    continue  # no room, or its records are not written yet
+                await trio.to_thread.run_sync(pager.read, plan)
+                # a durable queue's read is recorded in the journal (paged_through) by
+                # the cycle after the current one at the latest: the segment waits for it
+                entries = pager.consumed(plan, self._cycle + 1 if q.durable else 0)
+                if entries is None:
+                    continue  # purged or deleted meanwhile
+                if plan.lost:
+                    q.page_lost(plan.lost, plan.lost_bytes)
+                broker.depage(q, entries)
+                self.hub.flush()
+                progressed = True
+            if not progressed:
+                await self._depage_lot.park()
+
     async def _expiry_loop(self) -> None:
         broker = self.broker
         assert broker is not None
@@ -390,6 +687,41 @@ class BrokerApp:
                 log.debug("expiry reaper removed %d message(s)", n)
             self.hub.flush()
 
+    async def _slow_consumer_loop(self, detector: SlowConsumerDetector) -> None:
+        broker = self.broker
+        assert broker is not None
+        s = self.settings
+        kill = s.slow_consumer_policy == KILL
+        while True:
+            await trio.sleep(s.slow_consumer_check_period)
+            for v in detector.check(list(broker.queues.values()), self.clock()):
+                c = v.consumer
+                if not isinstance(c, ConsumerLink):
+                    continue  # every attached consumer is a link; nothing else to tell
+                where = f"connection {c.connection_id} from {c.conn.peer}"
+                if not kill:
+                    log.warning(
+                        "slow consumer: %s (%s); it keeps its messages "
+                        "(slow_consumer_policy = NOTIFY)",
+                        v.describe(),
+                        where,
+                    )
+                    continue
+                log.warning(
+                    "slow consumer: %s (%s); detaching it (slow_consumer_policy = KILL)",
+                    v.describe(),
+                    where,
+                )
+                self.slow_consumers_detached += 1
+                c.conn.detach_link(
+                    c,
+                    "amqp:resource-limit-exceeded",
+                    f"{v.describe()}, so the broker detached it (slow_consumer_policy = "
+                    "KILL); its unsettled messages went back to the queue. Settle "
+                    "messages faster, or share the load among more consumers",
+                )
+            self.hub.flush()
+
     # ------------------------------------------------------------ inspection
     def registry_sizes(self) -> dict[str, int]:
         """Sizes of every per-connection / per-link structure (all 0 when idle)."""
@@ -397,6 +729,7 @@ class BrokerApp:
         assert b is not None
         out: dict[str, int] = {
             "connections": len(self.hub.drivers),
+            "connections_per_address": len(self._per_address),
             "dirty_connections": self.hub.pending,
             "links": sum(c.open_links for c in self.hub.drivers),
             "sessions": sum(c.open_sessions for c in self.hub.drivers),
@@ -415,5 +748,14 @@ class BrokerApp:
         stats: dict[str, Any] = {"broker": self.broker.statistics()}
         if self.journal is not None:
             stats["store"] = self.journal.statistics()
+        if self.pager is not None:
+            stats["paging"] = self.pager.statistics()
         stats["queues"] = {q.name: q.statistics() for q in self.broker.queues.values()}
+        stats["limits"] = {
+            "connections_refused_per_address": self.refused_per_address,
+            "slow_consumers_detected": (
+                self.slow_consumers.detected if self.slow_consumers is not None else 0
+            ),
+            "slow_consumers_detached": self.slow_consumers_detached,
+        }
         return stats

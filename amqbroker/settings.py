@@ -9,8 +9,9 @@ Sources and precedence
    ``max-frame-size`` is accepted too; unknown keys are an error, with a "did you mean");
 3. environment variables ``AMQBROKER_<NAME>`` (prefix and name case-insensitive, e.g.
    ``AMQBROKER_MAX_FRAME_SIZE``); structured settings (``users``,
-   ``address_settings``, ``addresses``) take JSON; ``extra_listeners`` takes JSON or a
-   comma-separated list; environment variables naming no setting are ignored;
+   ``tls_identity_users``, ``address_settings``, ``addresses``) take JSON;
+   ``extra_listeners`` and ``tls_listeners`` take JSON or a comma-separated list;
+   environment variables naming no setting are ignored;
 4. command-line flags (``overrides``; None values mean "flag not given").
 
 A higher layer replaces a key's whole value (tables are not merged across layers).
@@ -25,7 +26,8 @@ value came from: every problem it reports names the key, the bad value, its sour
 reported together in one `SettingsError`.
 
 Every broker limit is a named setting here; per-address policy lives in
-`amqbroker.core.address_settings`.
+`amqbroker.core.address_settings`, authorisation rules (``roles``, ``security``) in
+`amqbroker.core.authz`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ from amqbroker.core.address_settings import (
     Routing,
     check_address_name,
 )
+from amqbroker.core.authz import ANONYMOUS_USER, RoleName, SecurityRule
+from amqbroker.core.authz import DEFAULT_CACHE_SIZE as AUTHZ_CACHE_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -161,6 +165,22 @@ def _data_dir(value: object) -> object:
     return value
 
 
+def _unlimited_or_positive(value: int) -> int:
+    if value == 0 or value < -1:
+        raise ValueError("must be -1 (unlimited) or at least 1")
+    return value
+
+
+def _off_or_positive(value: float) -> float:
+    if value != -1 and value <= 0:
+        raise ValueError("must be -1 (off) or greater than 0")
+    return value
+
+
+def _upper(value: object) -> object:
+    return value.strip().upper() if isinstance(value, str) else value
+
+
 def _queue_prefix(value: str) -> str:
     if any(c in value for c in "*#?"):
         raise ValueError("must not contain '*', '#' or '?'")
@@ -198,6 +218,7 @@ Host = Annotated[str, AfterValidator(_check_host)]
 UserName = Annotated[str, Field(min_length=1)]
 PasswordHash = Annotated[str, AfterValidator(_check_password_hash)]
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(_log_level)]
+SlowConsumerPolicy = Annotated[Literal["NOTIFY", "KILL"], BeforeValidator(_upper)]
 
 
 class AddressConfig(BaseModel):
@@ -258,6 +279,16 @@ class Settings(BaseSettings):
         default_factory=list, description="more listeners, each 'host:port'"
     )
 
+    # TLS (amqbroker.net.tls); file paths are "" when not set
+    tls_listeners: list[Listener] = Field(
+        default_factory=list, description="TLS (amqps) listeners, each 'host:port'"
+    )
+    tls_cert_file: str = Field(default="", description="PEM certificate (+ chain)")
+    tls_key_file: str = Field(default="", description="PEM private key, unencrypted")
+    tls_ca_file: str = Field(default="", description="PEM CAs for client certificates")
+    tls_client_auth: Literal["none", "optional", "required"] = "none"
+    tls_min_version: Literal["TLSv1.2", "TLSv1.3"] = "TLSv1.2"
+
     # process
     data_dir: Annotated[Path, BeforeValidator(_data_dir)] = Field(
         default=Path("amqbroker-data"), description="directory of the message store"
@@ -269,6 +300,7 @@ class Settings(BaseSettings):
 
     # connection limits
     max_connections: ConfigInt = Field(default=1000, ge=1)
+    max_connections_per_address: Annotated[ConfigInt, AfterValidator(_unlimited_or_positive)] = 100
     max_frame_size: ConfigInt = Field(default=64 * KIB, ge=512, le=UINT32_MAX)
     channel_max: ConfigInt = Field(default=255, ge=0, le=65535)
     max_sessions_per_connection: ConfigInt = Field(default=64, ge=1, le=65536)
@@ -282,9 +314,20 @@ class Settings(BaseSettings):
     output_low_water: ConfigInt = Field(default=256 * KIB, ge=0)
     read_buffer_size: ConfigInt = Field(default=64 * KIB, ge=512)
 
-    # authentication
+    # authentication (amqbroker.core.auth, amqbroker.protocol.sasl)
     require_auth: bool = False
+    allow_anonymous: bool = True
     users: dict[UserName, PasswordHash] = Field(default_factory=dict)
+    tls_identity_users: dict[Annotated[str, Field(min_length=1)], UserName] = Field(
+        default_factory=dict, description="TLS client certificate subject -> user (EXTERNAL)"
+    )
+
+    # authorisation (amqbroker.core.authz)
+    security_enabled: bool = False
+    roles: dict[UserName, list[RoleName]] = Field(default_factory=dict)
+    security: dict[AddressPattern, SecurityRule] = Field(default_factory=dict)
+    security_cache_size: ConfigInt = Field(default=AUTHZ_CACHE_SIZE, ge=0)
+    security_relay_cache_size: ConfigInt = Field(default=256, ge=0)
 
     # message store
     store_sync: bool = True
@@ -292,6 +335,10 @@ class Settings(BaseSettings):
     store_max_batch_bytes: ConfigInt = Field(default=4 * MIB, ge=1)
     store_compact_min_bytes: ConfigInt = Field(default=16 * MIB, ge=0)
     store_compact_live_ratio: ConfigFloat = Field(default=0.5, gt=0, le=1)
+    # paging (address_full_policy PAGE, amqbroker.store.paging)
+    page_size_bytes: ConfigInt = Field(default=10 * MIB, ge=4 * KIB)
+    page_read_ahead_bytes: ConfigInt = Field(default=4 * MIB, ge=1)
+    page_low_water: ConfigFloat = Field(default=0.5, gt=0, le=1)
 
     # dispatch and queues
     expiry_scan_period: ConfigFloat = Field(default=30.0, ge=0)
@@ -299,13 +346,14 @@ class Settings(BaseSettings):
         default="tmp.", min_length=1
     )
     dispatch_batch: ConfigInt = Field(default=10000, ge=1)
+    # management: message ages and group settle times (Queue "admin pause and ages")
+    message_age_resolution: ConfigFloat = Field(default=1.0, gt=0)
+    message_age_marks: ConfigInt = Field(default=1024, ge=2)
     global_max_size: ConfigInt = Field(default=1 << 30, ge=-1)
 
     # cluster (issue 15; amqbroker.cluster)
     cluster_node_id: str = Field(default="", pattern=r"^[A-Za-z0-9_-]*$")
-    cluster_peers: list[Annotated[str, AfterValidator(_cluster_peer)]] = Field(
-        default_factory=list
-    )
+    cluster_peers: list[Annotated[str, AfterValidator(_cluster_peer)]] = Field(default_factory=list)
     cluster_user: str = ""
     cluster_password: str = ""
     cluster_reconnect_initial: ConfigFloat = Field(default=0.2, gt=0)
@@ -318,6 +366,20 @@ class Settings(BaseSettings):
     grouping_group_timeout: ConfigInt = Field(default=-1, ge=-1)
     grouping_reaper_period: ConfigInt = Field(default=30000, ge=0)
     grouping_timeout_policy: Literal["reject", "ungrouped"] = "reject"
+
+    # slow consumers (amqbroker.core.slow_consumers)
+    slow_consumer_threshold: Annotated[ConfigFloat, AfterValidator(_off_or_positive)] = -1.0
+    slow_consumer_check_period: ConfigFloat = Field(default=5.0, gt=0, le=86400)
+    slow_consumer_policy: SlowConsumerPolicy = "NOTIFY"
+
+    # telemetry (amqbroker.telemetry)
+    metrics_prometheus_port: ConfigInt = Field(default=-1, ge=-1, le=65535)
+    metrics_prometheus_host: str = Field(default="127.0.0.1", min_length=1)
+    metrics_top_groups: ConfigInt = Field(default=10, ge=0, le=1000)
+    otlp_endpoint: str = ""
+    otlp_export_interval: ConfigFloat = Field(default=30.0, gt=0, le=86400)
+    tracing: bool = False
+    tracing_sample_ratio: ConfigFloat = Field(default=1.0, ge=0, le=1)
 
     # addresses
     address_settings: dict[AddressPattern, AddressSettings] = Field(
@@ -367,14 +429,33 @@ class Settings(BaseSettings):
                 },
                 "output_low_water must be less than output_high_water",
             )
-        if self.require_auth and not self.users:
-            raise _CrossFieldError(
-                {"require_auth": self.require_auth, "users": self.users},
-                "require_auth is true but no users are configured; create a password hash "
-                "with `amqbroker hash-password` and add it under [users] in the config file "
-                '(alice = "pbkdf2-sha256$...") or as AMQBROKER_USERS=\'{"alice": "<hash>"}\', '
-                "or set require_auth = false",
+        if (self.require_auth or not self.allow_anonymous) and not (
+            self.users or self.tls_identity_users
+        ):
+            policy: dict[str, object] = (
+                {"require_auth": True} if self.require_auth else {"allow_anonymous": False}
             )
+            raise _CrossFieldError(
+                {**policy, "users": self.users, "tls_identity_users": self.tls_identity_users},
+                ("require_auth is true" if self.require_auth else "allow_anonymous is false")
+                + " but no users are configured, so no client could connect; create a "
+                "password hash with `amqbroker hash-password --scram` and add it under "
+                '[users] in the config file (alice = "scram-sha-256$...") or as '
+                'AMQBROKER_USERS=\'{"alice": "<hash>"}\', map TLS client certificates to '
+                "users under [tls_identity_users], or allow anonymous access "
+                "(require_auth = false, allow_anonymous = true)",
+            )
+        known = [*self.users, *self.tls_identity_users.values(), ANONYMOUS_USER]
+        for user in self.roles:
+            if user not in known:
+                close = difflib.get_close_matches(user, known, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise _CrossFieldError(
+                    {"roles": self.roles},
+                    f"roles names user {user!r}, who is not under [users] or "
+                    f"[tls_identity_users] (nor {ANONYMOUS_USER!r}, the user of connections "
+                    f"without credentials); {hint}add the user or correct the name",
+                )
         if (self.cluster_peers or self.cluster_grouping) and not self.cluster_node_id:
             raise _CrossFieldError(
                 {"cluster_node_id": self.cluster_node_id, "cluster_peers": self.cluster_peers},
@@ -406,7 +487,35 @@ class Settings(BaseSettings):
                     "its own host:port",
                 )
             seen[listener] = f"extra listener {text}"
+        self._check_tls(seen)
         return self
+
+    def _check_tls(self, seen: dict[tuple[str, int], str]) -> None:
+        """TLS listeners need their own host:port, a certificate and its key; client
+        certificates need a CA. The files themselves are checked at start
+        (`amqbroker.net.tls.server_context`)."""
+        for text in self.tls_listeners:
+            listener = parse_listener(text)
+            if listener[1] and listener in seen:
+                raise _CrossFieldError(
+                    {"tls_listeners": self.tls_listeners},
+                    f"TLS listener {text} repeats {seen[listener]}; each listener needs "
+                    "its own host:port",
+                )
+            seen[listener] = f"TLS listener {text}"
+        if self.tls_listeners:
+            for name, what in (("tls_cert_file", "certificate"), ("tls_key_file", "private key")):
+                if not getattr(self, name):
+                    raise _CrossFieldError(
+                        {"tls_listeners": self.tls_listeners, name: ""},
+                        f"TLS listeners need the broker's {what}: set {name} to a PEM file",
+                    )
+        if self.tls_client_auth != "none" and not self.tls_ca_file:
+            raise _CrossFieldError(
+                {"tls_client_auth": self.tls_client_auth, "tls_ca_file": ""},
+                "client certificates are verified against tls_ca_file: set it to a PEM "
+                'file of the CA certificates, or set tls_client_auth = "none"',
+            )
 
     def listen_addresses(self) -> list[tuple[str, int]]:
         """Every (host, port) to listen on: the main listener first, then the extras."""
@@ -420,14 +529,22 @@ class Settings(BaseSettings):
 
 FIELD_NAMES: Final = frozenset(Settings.model_fields)
 #: settings given as JSON in environment variables
-_JSON_FIELDS: Final = frozenset({"users", "address_settings", "addresses"})
+_JSON_FIELDS: Final = frozenset(
+    {"users", "address_settings", "addresses", "roles", "security", "tls_identity_users"}
+)
 _JSON_EXAMPLES: Final = {
-    "users": '{"alice": "pbkdf2-sha256$..."}',
+    "users": '{"alice": "scram-sha-256$..."}',
+    "tls_identity_users": '{"CN=app1,O=Example": "app1"}',
     "address_settings": '{"orders.#": {"max_delivery_attempts": 5}}',
     "addresses": '[{"name": "orders", "routing": "anycast"}]',
+    "roles": '{"alice": ["app"]}',
+    "security": '{"orders.#": {"send": ["app"], "consume": ["app"]}}',
     "extra_listeners": '["0.0.0.0:5673"] or 0.0.0.0:5673,[::1]:5674',
     "cluster_peers": '["node2=127.0.0.1:5673"] or node2=127.0.0.1:5673,node3=127.0.0.1:5674',
+    "tls_listeners": '["0.0.0.0:5671"] or 0.0.0.0:5671,[::1]:5671',
 }
+#: listener lists: JSON or a comma-separated list in environment variables
+_LISTENER_FIELDS: Final = frozenset({"extra_listeners", "tls_listeners"})
 #: values never repeated in messages
 _SECRET_FIELDS: Final = frozenset({"users", "cluster_password"})
 
@@ -449,11 +566,16 @@ def load_settings(
     config_file: Path | None = None,
     overrides: Mapping[str, object] | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    sources_out: dict[str, str] | None = None,
 ) -> Settings:
     """Build `Settings` from defaults < `config_file` < `environ` < `overrides`.
 
     `environ` defaults to ``os.environ``; `overrides` holds CLI flags by setting name
     (snake or kebab case), None meaning "not given". Raises `SettingsError`.
+    `sources_out`, when given, receives where each setting not left at its default came
+    from (name -> the file path, ``AMQBROKER_<NAME>`` or ``--flag``), for
+    ``amqbroker config show``.
     """
     values: dict[str, object] = {}
     sources: dict[str, _Source] = {}
@@ -517,6 +639,8 @@ def load_settings(
             problems.append(_describe_error(err, sources))
     else:
         if not problems:
+            if sources_out is not None:
+                sources_out.update({name: src.label for name, src in sources.items()})
             return settings
     raise SettingsError.from_problems(problems)
 
@@ -566,7 +690,7 @@ def _toml_position(exc: tomllib.TOMLDecodeError, text: str) -> tuple[int, int, s
 def _decode_env(name: str, text: str) -> object:
     """Turn an environment variable's text into the value to validate."""
     if name in _JSON_FIELDS or (
-        name in ("extra_listeners", "cluster_peers") and text.lstrip().startswith("[")
+        (name in _LISTENER_FIELDS or name == "cluster_peers") and text.lstrip().startswith("[")
     ):
         try:
             return json.loads(text)
@@ -575,7 +699,7 @@ def _decode_env(name: str, text: str) -> object:
                 f"not valid JSON ({exc.msg} at column {exc.colno}); expected e.g. "
                 f"{_JSON_EXAMPLES[name]}"
             ) from None
-    if name in ("extra_listeners", "cluster_peers"):
+    if name in _LISTENER_FIELDS or name == "cluster_peers":
         return [part.strip() for part in text.split(",") if part.strip()]
     return text
 
@@ -640,6 +764,8 @@ def _field_info(top: str, rest: Sequence[int | str]) -> FieldInfo | None:
         nested = AddressSettings
     elif top == "addresses" and len(rest) == 2:
         nested = AddressConfig
+    elif top == "security" and len(rest) == 2:
+        nested = SecurityRule
     if nested is None or not isinstance(rest[-1], str):
         return None
     name = rest[-1]
@@ -654,6 +780,8 @@ def _nested_candidates(top: str, rest: Sequence[int | str]) -> list[str]:
         return [n for f, i in AddressSettings.model_fields.items() for n in (f, i.alias) if n]
     if top == "addresses" and len(rest) == 2:
         return list(AddressConfig.model_fields)
+    if top == "security" and len(rest) == 2:
+        return [n for f, i in SecurityRule.model_fields.items() for n in (f, i.alias) if n]
     return []
 
 

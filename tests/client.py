@@ -27,6 +27,7 @@ from typing import Any
 import trio
 from proton import (
     SASL,
+    SSL,
     Collector,
     Connection,
     Data,
@@ -38,6 +39,7 @@ from proton import (
     Link,
     Message,
     ProtonException,
+    SSLDomain,
     SymbolList,
     Terminus,
     Transport,
@@ -251,11 +253,15 @@ class Client:
         desired: list[str] | None = None,
         idle_timeout: float | None = None,
         sasl: bool = True,
+        ssl_domain: SSLDomain | None = None,
         nursery: trio.Nursery,
         timeout: float = DEFAULT_TIMEOUT,
+        source: str | None = None,
     ) -> Client:
         sock = trio.socket.socket()
         sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+        if source is not None:  # connect from this local address (e.g. 127.0.0.2)
+            await sock.bind((source, 0))
         await sock.connect((host, port))
         conn = Connection()
         if container:
@@ -272,6 +278,8 @@ class Client:
             s: SASL = t.sasl()
             s.allowed_mechs(mechs or ("PLAIN" if user is not None else "ANONYMOUS"))
             s.allow_insecure_mechs = True
+        if ssl_domain is not None:  # TLS by Proton's SSL layer; the name checked is `host`
+            SSL(t, ssl_domain).peer_hostname = host
         t.bind(conn)
         c = cls(sock, t, conn)
         c._nursery = nursery

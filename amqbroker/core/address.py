@@ -5,12 +5,16 @@ The address also owns the full policy (GROUPING is per queue; size is per addres
 `size` is the sum of the bytes of the messages held by its queues, kept up to date by
 the queues. Under BLOCK, producers that find the address full register here and are
 resumed (granted credit again) when space returns; under FAIL the routing call raises
-`ResourceLimitExceeded`, which the protocol turns into a `rejected` outcome.
+`ResourceLimitExceeded`, which the protocol turns into a `rejected` outcome; under PAGE
+producers are never held back: the address's queues page new messages to disk while it
+is full (`Queue._page_out`) and read them back once it is below its low-water mark
+(`page_room`), so `size` and the budget count the bytes in memory only.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -30,7 +34,7 @@ class MemoryBudget:
     policy (BLOCK: producers get no credit; FAIL: messages are rejected); addresses
     whose producers wait on the budget are resumed when it has room again."""
 
-    __slots__ = ("limit", "used", "waiting", "warned")
+    __slots__ = ("limit", "on_room", "paging", "used", "waiting", "warned")
 
     def __init__(self, limit: int = -1) -> None:
         #: -1 = unlimited
@@ -38,6 +42,11 @@ class MemoryBudget:
         self.used = 0
         self.waiting: set[Address] = set()
         self.warned = False
+        #: queues holding paged messages (PAGE policy)
+        self.paging: set[Any] = set()
+        #: called when memory was freed while a queue pages (the broker wakes the
+        #: application's depage task)
+        self.on_room: Callable[[], object] | None = None
 
     @property
     def full(self) -> bool:
@@ -116,6 +125,23 @@ class Address:
             f"the broker holds {b.used} bytes of messages, its global_max_size "
             f"({b.limit}); consume messages or raise global_max_size"
         )
+
+    def page_room(self, low_water: float) -> int:
+        """Bytes a paging queue of this address may read back now: 0 while the
+        address or the broker is at or above `low_water` (a fraction) of its limit,
+        else the room left below the limit (-1: no limit applies)."""
+        room = -1
+        if self.max_size >= 0:
+            if self.size >= self.max_size * low_water:
+                return 0
+            room = self.max_size - self.size
+        b = self.budget
+        if b.limit >= 0:
+            if b.used >= b.limit * low_water:
+                return 0
+            free = b.limit - b.used
+            room = free if room < 0 else min(room, free)
+        return room
 
     def block(self, producer: Producer) -> None:
         self.blocked_producers.add(producer)

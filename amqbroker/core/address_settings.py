@@ -96,7 +96,7 @@ CLASSIC_IMPLICIT_DELAY_MS: Final = 1000  # decision D10
 _T = TypeVar("_T")
 
 RoutingType = Literal["anycast", "multicast"]
-AddressFullPolicy = Literal["BLOCK", "FAIL"]
+AddressFullPolicy = Literal["BLOCK", "FAIL", "PAGE"]
 GroupOwnerPolicy = Literal["round-robin", "least-loaded"]
 
 
@@ -133,8 +133,8 @@ def _owner_policy(value: object) -> object:
 def _full_policy(value: object) -> object:
     if isinstance(value, str):
         value = value.strip().upper()
-        if value in ("PAGE", "DROP"):
-            raise ValueError(f"{value} is not supported by amqbroker; use BLOCK or FAIL")
+        if value == "DROP":
+            raise ValueError("DROP is not supported by amqbroker; use BLOCK, FAIL or PAGE")
     return value
 
 
@@ -195,6 +195,7 @@ class ResolvedAddressSettings(BaseModel):
     redelivery_delay: Millis = 0
     #: bytes of messages the address may hold; -1 = unlimited
     max_size_bytes: SizeBytes = -1
+    #: BLOCK: no producer credit while full; FAIL: reject; PAGE: page to disk
     address_full_policy: FullPolicy = "BLOCK"
     #: -1 = one group table entry per group id, 0 = grouping off, N >= 1 = N buckets
     default_group_buckets: GroupBuckets = -1

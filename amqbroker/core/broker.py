@@ -6,6 +6,11 @@ routing an arriving message, temporary queues, dead-lettering and expiry routing
 deferred dispatch (a queue that used up its dispatch batch asks to be continued after
 other work has run: `run_deferred`).
 
+Paging (address_full_policy PAGE): with a page store (`pager`), the queues of a PAGE
+address page messages while it is full; `depage_candidates` / `depage` are how the
+application's depage task reads them back (see `amqbroker.store.paging`). Without a
+page store PAGE acts as BLOCK.
+
 Address settings are resolved by wildcard match when an address or queue is created
 and kept on the object; queue options from the address string (`orders?group-
 buckets=1024`) apply when the queue is created and are persisted with it.
@@ -37,7 +42,7 @@ from amqbroker.core.errors import (
     ResourceLimitExceeded,
 )
 from amqbroker.core.persistence import NoPersistence, Persistence
-from amqbroker.core.queue import Queue, QueuePolicy
+from amqbroker.core.queue import Pager, Queue, QueuePolicy
 from amqbroker.core.timers import Timers
 
 log = logging.getLogger(__name__)
@@ -103,6 +108,12 @@ class Broker:
         temporary_queue_prefix: str = "tmp.",
         wake: Callable[[], object] | None = None,
         global_max_size: int = -1,
+        pager: Pager | None = None,
+        page_low_water: float = 0.5,
+        page_read_ahead: int = 4 << 20,
+        depage_wake: Callable[[], object] | None = None,
+        age_resolution: float = 1.0,
+        age_marks: int = 1024,
     ) -> None:
         self.settings_repo = address_settings or AddressSettingsRepository({})
         self.store: Persistence = persistence or NoPersistence()
@@ -110,11 +121,20 @@ class Broker:
         self.timers = timers if timers is not None else Timers()
         self.codec: MessageCodec = codec or PlainCodec()
         self.dispatch_batch = dispatch_batch
+        #: management: message-age resolution (seconds) and arrival marks per queue
+        self.age_resolution = age_resolution
+        self.age_marks = age_marks
         self.temporary_queue_prefix = temporary_queue_prefix
         #: called when deferred work is pending (the event loop runs `run_deferred`)
         self.wake = wake
         #: broker-wide bound on queued message bytes (-1 = unlimited)
         self.budget = MemoryBudget(global_max_size)
+        #: page store for PAGE addresses; read back below `page_low_water` (a fraction
+        #: of the limit), at most `page_read_ahead` bytes per step
+        self.pager = pager
+        self.page_low_water = page_low_water
+        self.page_read_ahead = page_read_ahead
+        self.budget.on_room = depage_wake
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
         #: container ids held by connections that asked to be the only one
@@ -152,6 +172,8 @@ class Broker:
             max_delivery_attempts=r.max_delivery_attempts,
             redelivery_delay=r.redelivery_delay,
             dispatch_batch=self.dispatch_batch,
+            age_resolution=self.age_resolution,
+            age_marks=self.age_marks,
         )
 
     # ------------------------------------------------------------ addresses
@@ -167,7 +189,7 @@ class Broker:
             routing,
             settings=r,
             max_size=r.max_size_bytes,
-            full_policy=r.address_full_policy,
+            full_policy=self._full_policy(r),
             budget=self.budget,
             auto_created=auto_created,
         )
@@ -177,6 +199,10 @@ class Broker:
                 name, a, durable=durable and r.default_queue_durable, auto_created=auto_created
             )
         return a
+
+    def _full_policy(self, r: ResolvedAddressSettings) -> str:
+        p = r.address_full_policy
+        return "BLOCK" if p == "PAGE" and self.pager is None else p
 
     def _routing_for(self, name: str, hint: str | None) -> str:
         return hint or self.resolve(name).default_routing_type
@@ -341,7 +367,7 @@ class Broker:
             MULTICAST,
             settings=r,
             max_size=r.max_size_bytes,
-            full_policy=r.address_full_policy,
+            full_policy=self._full_policy(r),
             budget=self.budget,
         )
         self.addresses[name] = a
@@ -367,7 +393,7 @@ class Broker:
             ANYCAST,
             settings=r,
             max_size=r.max_size_bytes,
-            full_policy=r.address_full_policy,
+            full_policy=self._full_policy(r),
             budget=self.budget,
         )
         self.addresses[name] = a
@@ -405,6 +431,8 @@ class Broker:
             persistence=self.store,
             options=options.model_dump(exclude_none=True) if options else {},
         )
+        if address.full_policy == "PAGE":
+            q.pager = self.pager
         if subscription_of is not None:
             q.subscription_name = subscription_of.name
             q.no_local = subscription_of.no_local
@@ -436,6 +464,8 @@ class Broker:
             attrs["subscription"] = q.subscription_name
             attrs["selector"] = q.selector
             attrs["no_local"] = q.no_local
+        if q.page_mark:
+            attrs["paged_through"] = q.page_mark
         return attrs
 
     def restore_queue(
@@ -452,7 +482,7 @@ class Broker:
                 routing,
                 settings=r,
                 max_size=r.max_size_bytes,
-                full_policy=r.address_full_policy,
+                full_policy=self._full_policy(r),
                 budget=self.budget,
                 auto_created=bool(attributes.get("auto_created")),
             )
@@ -478,6 +508,7 @@ class Broker:
             subscription_of=sub,
         )
         q.restore(entries)
+        q.restore_paged(0, 0, 0, int(attributes.get("paged_through", 0)))
         return q
 
     def delete_queue(self, q: Queue) -> list[Any]:
@@ -487,6 +518,8 @@ class Broker:
             return []
         consumers = q.close()
         q.purge()
+        if self.pager is not None:
+            self.pager.forget(q.qid)
         self.queues.pop(q.name, None)
         self._pending.pop(q, None)
         a = q.address
@@ -526,6 +559,42 @@ class Broker:
             self.dropped_no_route += 1
             return NO_ROUTE
         return ROUTED_SYNC if sync else ROUTED
+
+    # --------------------------------------------------------------- paging
+    def depage_candidates(self) -> list[Queue]:
+        """Paging queues whose address has room to read messages back now."""
+        lw = self.page_low_water
+        return [
+            q
+            for q in self.budget.paging
+            if not q.deleted and q.address is not None and q.address.page_room(lw)
+        ]
+
+    def depage_room(self, q: Queue) -> int:
+        """Bytes `q` may read back now (0: none; at most `page_read_ahead`)."""
+        if q.deleted or not q.paged_count or q.address is None:
+            return 0
+        room = q.address.page_room(self.page_low_water)
+        if room < 0 or room > self.page_read_ahead:
+            return self.page_read_ahead
+        return room
+
+    def depage(self, q: Queue, entries: list[Entry]) -> None:
+        """Enqueue messages read back from `q`'s page. For a durable queue their ADD
+        records and the new `paged_through` mark are one atomic journal record, so
+        after a crash the messages are in the journal or still in the page, never
+        both or neither (see `amqbroker.store.paging`)."""
+        if q.deleted:
+            return
+        if not q.durable:
+            q.depage(entries)
+            return
+        self.store.begin_atomic()
+        try:
+            q.depage(entries)
+        finally:
+            self.store.queue_declared(q.qid, q.name, self._queue_attributes(q))
+            self.store.end_atomic()
 
     def address_for_relay(self, to: str, data: bytes | None = None) -> Address:
         """Anonymous relay: the per-message `to` address. A new address gets the
@@ -640,6 +709,100 @@ class Broker:
             if not a.queues and a.auto_created and a.name in self.addresses:
                 self.addresses.pop(a.name, None)
 
+    # ----------------------------------------------------------- management
+    def create_queue(
+        self,
+        name: str,
+        address: str,
+        routing: str,
+        *,
+        durable: bool,
+        options: QueueOptions | None = None,
+    ) -> Queue:
+        """An operator's queue (management CREATE). On an anycast address it is the
+        address's one queue; on a multicast address it gets a copy of every message
+        sent there and is a global subscription named like the queue (a JMS shared
+        durable subscription of that name consumes from it). The address is created
+        when missing."""
+        if name in self.queues:
+            raise PreconditionFailed(f"queue '{name}' exists already; delete it first")
+        a = self.addresses.get(address)
+        if a is not None and a.routing != routing:
+            raise PreconditionFailed(
+                f"address '{address}' exists with routing type {a.routing}; give "
+                f"routingType {a.routing} or another address"
+            )
+        if a is not None and routing == ANYCAST and a.queues:
+            raise PreconditionFailed(
+                f"anycast address '{address}' already has its queue '{a.queues[0].name}' "
+                "(an anycast address holds one queue); use another address"
+            )
+        if a is None:
+            r = self.resolve(address)
+            a = Address(
+                address,
+                routing,
+                settings=r,
+                max_size=r.max_size_bytes,
+                full_policy=r.address_full_policy,
+                budget=self.budget,
+            )
+            self.addresses[address] = a
+        sub = Subscription(name, durable=durable) if routing == MULTICAST else None
+        return self._create_queue(name, a, durable=durable, options=options, subscription_of=sub)
+
+    def set_queue_options(self, q: Queue, options: QueueOptions) -> None:
+        """Replace a queue's options (management UPDATE); persisted with a durable
+        queue. A change of grouping mode clears its group bindings."""
+        self._apply_options(q, options)
+
+    def move_messages(
+        self, src: Queue, dst: Queue, match: Callable[[Entry], bool] | None = None
+    ) -> int:
+        """Move the waiting messages of `src` that `match` accepts (all by default) to
+        the tail of `dst`, in queue order (management `moveMessages`, e.g. out of a
+        dead-letter queue). In-flight, delayed and paged messages stay. The copy in
+        `dst` is recorded before the removal from `src`: a crash in between
+        duplicates, never loses. Address limits are not applied (an operator's act)."""
+        if dst is src:
+            raise InvalidField(f"cannot move messages of queue '{src.name}' to itself")
+
+        def sink(e: Entry) -> None:
+            dst.enqueue(e.copy())
+
+        return src.take_waiting(match or _everything, sink)
+
+    def retry_messages(self, dlq: Queue, original_address: Callable[[bytes], str | None]) -> int:
+        """Send dead letters back where they came from (management `retryMessages`):
+        each waiting message of `dlq` whose `original_address` (the protocol layer
+        reads the x-opt-ORIG-ADDRESS annotation) names an address other than the
+        dead-letter queue's own is routed there again with delivery-count 0 and
+        removed from `dlq`. Messages without it, whose address is gone and cannot be
+        auto-created, or whose topic has no subscriber, stay. Returns how many were sent back."""
+        own = dlq.address.name if dlq.address is not None else dlq.name
+        targets: dict[Entry, Address] = {}
+
+        def match(e: Entry) -> bool:
+            name = original_address(e.data)
+            if not name or name == own:
+                return False
+            a = self.addresses.get(name)
+            if a is None:
+                try:
+                    a = self.address_for_producer(name)
+                except (NotFound, InvalidField):
+                    return False
+            if not a.queues:
+                return False  # a topic without subscribers would drop it: it stays
+            targets[e] = a
+            return True
+
+        def sink(e: Entry) -> None:
+            copy = Entry(e.data, e.durable, e.priority, e.expiry, 0, e.group_id, e.group_seq)
+            self.route(targets.pop(e), copy, check_full=False)
+
+        return dlq.take_waiting(match, sink)
+
     # ------------------------------------------------------------- periodic
     def expire_scan(self) -> int:
         n = 0
@@ -659,3 +822,7 @@ class Broker:
             "dropped_dead_letters": self.dropped_dead_letters,
             "pending_dispatch": len(self._pending),
         }
+
+
+def _everything(e: Entry) -> bool:
+    return True

@@ -9,6 +9,14 @@ never holds a proton object).
 core decrements it per delivery. `blocked` is set by the protocol layer while the
 connection's unsent output is above its high-water mark. A consumer is *busy* when it
 has no credit or is blocked.
+
+Slow-consumer counters (read by `amqbroker.core.slow_consumers`; the queue keeps them):
+`settled` counts the deliveries this consumer has settled, whatever the outcome
+(presettled ones when they are sent); `idle_marks` counts the moments it was left with
+nothing to do (its last unsettled delivery settled while nothing waited in the queue's
+main order or in its groups). Both only ever grow. `slow_sample` and `slow` belong to
+the detector: its previous sample of these counters and whether the consumer is in a
+reported slow episode.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ class Consumer:
         "container_id",
         "credit",
         "filter",
+        "idle_marks",
         "inflight",
         "last_delivery",
         "name",
@@ -40,6 +49,9 @@ class Consumer:
         "priority",
         "queue",
         "seq",
+        "settled",
+        "slow",
+        "slow_sample",
     )
 
     def __init__(
@@ -71,6 +83,13 @@ class Consumer:
         self.attached_at = 0.0
         #: attach order within the queue (tie breaker)
         self.seq = 0
+        #: deliveries settled (any outcome; presettled ones when sent)
+        self.settled = 0
+        #: times the consumer was left with nothing to do (see the module docstring)
+        self.idle_marks = 0
+        #: the slow-consumer detector's previous sample, and whether it reported us
+        self.slow_sample: Any = None
+        self.slow = False
 
     def deliver(self, entry: Entry, first: bool) -> None:
         """Send `entry` on the wire. `first` asks for the group-first flag property."""

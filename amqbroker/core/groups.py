@@ -68,9 +68,24 @@ class Group:
     waiting out its redelivery delay). Invariant: while `parked` is not empty every
     message of this group still in the main order is newer than all of `parked`, so
     new arrivals join the tail of `parked` and group order holds.
+
+    `settled_at` is when a message of the group was last settled (any outcome), or
+    when the group was bound if none has been since: management reports the time
+    since then. It is the queue's coarse clock (`Queue._coarse`, at most
+    `QueuePolicy.age_resolution` old), so the hot path never reads the clock for it.
     """
 
-    __slots__ = ("bound_at", "held", "key", "owner", "parked", "stuck", "waiting")
+    __slots__ = (
+        "bound_at",
+        "held",
+        "key",
+        "owner",
+        "parked",
+        "parked_at",
+        "settled_at",
+        "stuck",
+        "waiting",
+    )
 
     def __init__(self, key: Any, owner: Consumer | None, now: float) -> None:
         self.key = key
@@ -83,3 +98,7 @@ class Group:
         #: owner can never take the head message (filter / undeliverable-here), reported once
         self.stuck = False
         self.bound_at = now
+        #: when `parked` last went from empty to non-empty (0.0 = not blocked); the
+        #: queue adds each blocked episode to its telemetry total when it ends
+        self.parked_at = 0.0
+        self.settled_at = now

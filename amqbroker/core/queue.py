@@ -28,9 +28,17 @@ redelivery delay *holds* its group: later messages of the group park until it is
 
 Invariants (checked by the property-based tests):
 - a message is in exactly one place: main order, a group's parked deque, `_unmatched`,
-  a redelivery timer, or in flight to one consumer;
+  a redelivery timer, in flight to one consumer, or the page;
 - a bound group has exactly one owner, registered in `owner.bound`;
-- `count`/`bytes` cover every message the queue holds, in flight included.
+- `count` covers every message the queue holds, in flight and paged included; `bytes`
+  (and the address size / memory budget) cover the messages in memory only.
+
+Paging (address_full_policy PAGE, see `amqbroker.store.paging`): while the address is
+full, or as long as anything is paged, `enqueue` hands the message (seq assigned) to
+the page store instead of the in-memory structures, so every paged message is newer
+than every message in memory. `depage` takes the oldest paged messages back (in seq
+order, read by the store layer off the event loop) and puts them at the tail of the
+main order, where grouping applies to them exactly as to any arriving message.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -83,6 +92,21 @@ class QueuePolicy:
     max_delivery_attempts: int = 10
     redelivery_delay: int = 0
     dispatch_batch: int = 10_000
+    #: seconds; resolution of message ages and group settle times (management)
+    age_resolution: float = 1.0
+    #: most arrival marks a queue keeps (older ones are thinned out)
+    age_marks: int = 1024
+
+
+class Pager(Protocol):
+    """The page store as the core sees it (`amqbroker.store.paging.PageStore`): calls
+    only buffer, the application writes and reads."""
+
+    def page(self, qid: int, entry: Entry) -> None: ...
+
+    def drop(self, qid: int) -> None: ...
+
+    def forget(self, qid: int) -> None: ...
 
 
 class QueueHost(Protocol):
@@ -185,6 +209,24 @@ class Queue:
         self.expired_count = 0
         self.dead_lettered = 0
         self.stuck_messages = 0
+        #: telemetry: bindings made (a group got an owner: first, or a new one after
+        #: detach, reset, rebalance or close), and seconds groups spent blocked (with
+        #: parked messages) in episodes that have ended; see `group_blocked_seconds`
+        self.group_owner_changes = 0
+        self.group_blocked_time = 0.0
+        # management: admin pause and the coarse clock (see "admin pause and ages")
+        self._admin_paused = False
+        self._stamp_armed = False
+        self._coarse = 0.0
+        self._arrivals: list[tuple[int, float]] = []
+        #: paging (see the paging section): set by the broker for a PAGE address
+        self.pager: Pager | None = None
+        self.paged_count = 0
+        self.paged_bytes = 0
+        #: highest seq that has left the page (read back or purged): persisted with a
+        #: durable queue as `paged_through`
+        self.page_mark = 0
+        self._last_paged = 0
         self.policy = policy or QueuePolicy()
 
     # ------------------------------------------------------------------ policy
@@ -229,6 +271,11 @@ class Queue:
         """Add a message at the tail (routing calls this)."""
         self._seq += 1
         e.seq = self._seq
+        if not self._stamp_armed:
+            self._stamp(e.seq)
+        if self.pager is not None and (self.paged_count or (self.address and self.address.full)):
+            self._page_out(e)
+            return
         gid = e.group_id
         e.gkey = self._key_of(gid) if (gid is not None or self._policy.exclusive) else None
         n = len(e.data)
@@ -249,6 +296,7 @@ class Queue:
             not self._main
             and self._gate_open
             and not self._paused
+            and not self._admin_paused
             and not self._in_dispatch
             and not e.expiry
             and self._offer_head(e)
@@ -347,7 +395,7 @@ class Queue:
         if self._in_dispatch:
             self._again = True
             return
-        if not self._main or not self._consumers_n or self._paused:
+        if not self._main or not self._consumers_n or self._paused or self._admin_paused:
             return
         if not self._gate_open and not self._check_gate():
             return
@@ -422,6 +470,7 @@ class Queue:
                     g = Group(key, None, self._clock())
                     groups[key] = g
                     g.parked = deque((e,))
+                    g.parked_at = self._clock()
                     self._orphans[key] = g
                     self._retry_unmatched_on_credit = True
                     continue
@@ -508,6 +557,7 @@ class Queue:
     def _park(self, g: Group, e: Entry) -> None:
         if g.parked is None:
             g.parked = deque((e,))
+            g.parked_at = self._clock()
         else:
             g.parked.append(e)
 
@@ -564,12 +614,16 @@ class Queue:
             c.deliver(e, first)
             self._remove(e)
             self.acked += 1
+            c.settled += 1  # slow-consumer counters: settled when sent
+            if not self._main and not c.parked_groups:
+                c.idle_marks += 1
         else:
             c.inflight += 1
             self.inflight += 1
             c.deliver(e, first)
 
     def _bind(self, key: Any, c: Consumer) -> Group:
+        self.group_owner_changes += 1
         g = Group(key, c, self._clock())
         self._groups[key] = g
         c.bound[key] = g
@@ -592,6 +646,7 @@ class Queue:
         if g.held:
             return  # stays (owner-less) until its delayed message is back
         del self._groups[g.key]
+        self._unparked(g)
         if g.parked:
             parked = list(g.parked)
             g.parked = None
@@ -722,6 +777,8 @@ class Queue:
 
     def _serve(self, c: Consumer) -> None:
         """Give a consumer its parked groups' messages (older than the main order)."""
+        if self._admin_paused:
+            return
         pg = c.parked_groups
         now_ms = -1
         while pg and c.credit > 0 and not c.blocked:
@@ -732,6 +789,7 @@ class Queue:
                 g.waiting = False
                 if g.owner is c and q is not None and not q:
                     g.parked = None
+                    self._unparked(g)
                 continue
             while q and c.credit > 0 and not c.blocked:
                 e = q[0]
@@ -759,6 +817,7 @@ class Queue:
             else:
                 if not q:
                     g.parked = None
+                    self._unparked(g)
                     g.waiting = False
                     pg.popleft()
 
@@ -771,6 +830,7 @@ class Queue:
             if g.held:
                 return
             del self._groups[g.key]
+            self._unparked(g)
             self._orphans.pop(g.key, None)
             if g.parked:
                 parked = list(g.parked)
@@ -789,6 +849,15 @@ class Queue:
         c.inflight -= 1
         self.inflight -= 1
         self.acked += 1
+        c.settled += 1  # inline `_settled_by`: this is the hot path
+        if not c.inflight and not self._main and not c.parked_groups:
+            c.idle_marks += 1
+        if e.gkey is not None:  # inline `_group_settled`: this is the hot path
+            if not self._stamp_armed:
+                self._stamp(self._seq + 1)
+            g = self._groups.get(e.gkey)
+            if g is not None:
+                g.settled_at = self._coarse
         self._remove(e)
         if self._paused and not self.inflight:
             self._check_pause()
@@ -800,10 +869,20 @@ class Queue:
         # the copy is routed before the original is acknowledged: a crash in between
         # can duplicate the message, never lose it
         self.dead_lettered += 1
+        if e.gkey is not None:
+            self._group_settled(e)
         self._host.dead_letter(self, e, "rejected by consumer")
         self._remove(e)
         if self._paused and not self.inflight:
             self._check_pause()
+        self._settled_by(c)
+
+    def _settled_by(self, c: Consumer) -> None:
+        """Slow-consumer counters (see `core.consumer`): one more settlement, and an
+        idle mark when nothing else waits for the consumer."""
+        c.settled += 1
+        if not c.inflight and not self._main and not c.parked_groups:
+            c.idle_marks += 1
 
     def release(
         self,
@@ -816,8 +895,11 @@ class Queue:
         """`released` / `modified`: back to its position, for the same owner."""
         c.inflight -= 1
         self.inflight -= 1
+        if e.gkey is not None:
+            self._group_settled(e)
         if delivery_failed and not self._count_failure(e):
             self._check_pause()
+            self._settled_by(c)
             return
         g = self._groups.get(e.gkey) if e.gkey is not None else None
         if undeliverable_here:
@@ -851,6 +933,7 @@ class Queue:
         if self._undeliverable and (self._unmatched or self._orphans):
             self._retry_unmatched_on_credit = True
         self.dispatch()
+        self._settled_by(c)
 
     def _undelay(self, e: Entry, g: Group | None, t: Timer) -> None:
         self._delayed.discard(t)
@@ -869,6 +952,7 @@ class Queue:
     def _insert_parked(self, g: Group, e: Entry) -> None:
         if g.parked is None:
             g.parked = deque((e,))
+            g.parked_at = self._clock()
         else:
             _insert_by_seq(g.parked, e)
 
@@ -901,6 +985,8 @@ class Queue:
                 b.release()
             if a.blocked_producers and not a.full:
                 a.unblock()
+            if b.paging and b.on_room is not None:
+                b.on_room()
         if self._undeliverable:
             self._undeliverable.pop(e, None)
         if self.durable and e.durable:
@@ -950,6 +1036,7 @@ class Queue:
                 if self._groups.get(g.key) is not g or g.owner is not None or g.held:
                     continue
                 del self._groups[g.key]
+                self._unparked(g)
                 if g.parked:
                     back.extend(g.parked)
                     g.parked = None
@@ -979,7 +1066,7 @@ class Queue:
 
     @property
     def dispatching(self) -> bool:
-        return self._gate_open and not self._paused
+        return self._gate_open and not self._paused and not self._admin_paused
 
     def _pause(self) -> None:
         self._paused = True
@@ -1015,9 +1102,212 @@ class Queue:
                     self._serve(c)
         self.dispatch()
 
+    # ------------------------------------------ admin pause and ages (management)
+    # An operator's pause (`admin_pause`, management `pause`) stops delivery until
+    # `admin_resume`, independently of the rebalance pause above: messages still
+    # arrive, settle, expire and can be purged or moved; none is delivered. It is not
+    # persisted: a restarted broker dispatches again.
+    #
+    # Ages without a clock read per message: the queue keeps a *coarse clock*
+    # `_coarse`, read from the real clock at the first enqueue or grouped settlement
+    # after `age_resolution` seconds without a read (a one-shot timer re-arms it). Each
+    # read leaves an *arrival mark* (n, t): every message with seq >= n arrived at or
+    # after t. A message's arrival time is the latest mark with n <= its seq: at most
+    # `age_resolution` before its real arrival, so the age reported is an upper bound
+    # within that resolution. Marks below every held message are dropped; past
+    # `age_marks` every other one of the older half is dropped, so memory stays
+    # bounded and only very old messages lose precision. Messages without a mark left
+    # (recovered after a restart, or back from a long delay after a prune) count from
+    # the oldest mark: their age is then a lower bound.
+
+    def admin_pause(self) -> bool:
+        """Stop delivering (management `pause`); False when already paused."""
+        if self._admin_paused:
+            return False
+        self._admin_paused = True
+        return True
+
+    def admin_resume(self) -> bool:
+        """Deliver again (management `resume`); False when not paused."""
+        if not self._admin_paused:
+            return False
+        self._admin_paused = False
+        for c in self.consumers():
+            if c.parked_groups and c.credit > 0 and not c.blocked:
+                self._serve(c)
+        self.dispatch()
+        return True
+
+    @property
+    def paused(self) -> bool:
+        """Paused by an operator (not the transient rebalance pause)."""
+        return self._admin_paused
+
+    def _stamp(self, n: int) -> None:
+        """Read the clock into `_coarse` and leave the mark (n, now)."""
+        now = self._clock()
+        self._coarse = now
+        self._stamp_armed = True
+        arr = self._arrivals
+        if arr and arr[-1][0] == n:
+            arr[-1] = (n, now)
+        else:
+            arr.append((n, now))
+            if len(arr) > self._policy.age_marks:
+                self._prune_arrivals()
+        self._timers.call_at(now + self._policy.age_resolution, self._unstamp)
+
+    def _unstamp(self) -> None:
+        self._stamp_armed = False
+
+    def _group_settled(self, e: Entry) -> None:
+        """A message of a group was settled (any outcome): the group's `settled_at`."""
+        if not self._stamp_armed:
+            self._stamp(self._seq + 1)
+        g = self._groups.get(e.gkey)
+        if g is not None:
+            g.settled_at = self._coarse
+
+    def arrival_time(self, seq: int) -> float | None:
+        """When message `seq` arrived (see above); None before the first message."""
+        arr = self._arrivals
+        if not arr:
+            return None
+        i = bisect_right(arr, (seq, float("inf"))) - 1
+        return arr[max(i, 0)][1]
+
+    def oldest_waiting_seq(self) -> int | None:
+        """Seq of the oldest message waiting in memory (not in flight or delayed)."""
+        lo = self._seq + 1
+        for dq in self._levels:
+            if dq:
+                lo = min(lo, dq[0].seq)
+        for g in self._groups.values():
+            if g.parked:
+                lo = min(lo, g.parked[0].seq)
+        for e in self._unmatched:
+            lo = min(lo, e.seq)
+        return lo if lo <= self._seq else None
+
+    def _prune_arrivals(self) -> None:
+        arr = self._arrivals
+        lo = self.oldest_waiting_seq() or self._seq + 1
+        for c in self.consumers():
+            for e in _unsettled(c):
+                lo = min(lo, e.seq)
+        if self.paged_count:
+            lo = min(lo, self.page_mark + 1)
+        i = bisect_right(arr, (lo, float("inf"))) - 1
+        if i > 0:
+            del arr[:i]  # keep the latest mark at or below the oldest held message
+        cap = self._policy.age_marks
+        if len(arr) > cap:
+            half = len(arr) // 2
+            arr[:half] = arr[:half:2]
+
+    def group_details(self) -> list[dict[str, Any]]:
+        """`list_groups` rows plus what management shows: `bucket` (index when
+        bucketed), `settled_at`, and the oldest waiting message (`oldest_seq`) with
+        its `oldest_arrival` time (None when nothing of the group waits)."""
+        oldest: dict[Any, int] = {}
+        for e in self._all_waiting():
+            k = e.gkey
+            if k is not None and e.seq < oldest.get(k, e.seq + 1):
+                oldest[k] = e.seq
+        bound = [g for g in self._groups.values() if g.key is not EXCLUSIVE and g.owner]
+        rows = self.list_groups()
+        for g, r in zip(bound, rows, strict=True):
+            seq = oldest.get(g.key)
+            r["bucket"] = g.key if isinstance(g.key, int) else None
+            r["settled_at"] = g.settled_at
+            r["oldest_seq"] = seq
+            r["oldest_arrival"] = self.arrival_time(seq) if seq is not None else None
+        return rows
+
+    def take_waiting(self, match: Callable[[Entry], bool], sink: Callable[[Entry], None]) -> int:
+        """Take every waiting message `match` accepts (main order, parked, unmatched;
+        not in flight, delayed or paged) out of the queue: `sink` gets each one, in
+        queue order, before the queue forgets it, so a move to another queue records
+        the new copy before this queue's acknowledgement (a crash in between
+        duplicates a message, never loses it). Returns how many were taken."""
+        taken: list[Entry] = []
+        for i, dq in enumerate(self._levels):
+            keep: deque[Entry] = deque()
+            for e in dq:
+                (taken if match(e) else keep).append(e)
+            if len(keep) != len(dq):
+                self._main -= len(dq) - len(keep)
+                self._levels[i] = keep
+        touched: list[Group] = []
+        for g in self._groups.values():
+            q = g.parked
+            if q:
+                kept: deque[Entry] = deque()
+                for e in q:
+                    (taken if match(e) else kept).append(e)
+                if len(kept) != len(q):
+                    g.parked = kept or None
+                    touched.append(g)
+        if self._unmatched:
+            rest: deque[Entry] = deque()
+            for e in self._unmatched:
+                (taken if match(e) else rest).append(e)
+            self._unmatched = rest
+        taken.sort(key=_browse_order)
+        for e in taken:
+            sink(e)
+        for e in taken:
+            self._remove(e)
+        for g in touched:
+            if g.stuck:  # the stuck head may be gone: the group can move again
+                g.stuck = False
+                self._stuck_groups -= 1
+            if self._groups.get(g.key) is g:
+                self._resume_group(g)
+        if taken:
+            self.dispatch()
+        return len(taken)
+
     # -------------------------------------------------------------- management
     def group_count(self) -> int:
         return sum(1 for g in self._groups.values() if g.key is not EXCLUSIVE and g.owner)
+
+    # Telemetry (read by amqbroker.telemetry when it collects, never per message).
+    def _unparked(self, g: Group) -> None:
+        """A group's blocked episode ended (its parked deque emptied or went back to
+        the main order, or the group went away): add the episode to the total."""
+        if g.parked_at:
+            self.group_blocked_time += self._clock() - g.parked_at
+            g.parked_at = 0.0
+
+    def group_blocked_seconds(self) -> float:
+        """Seconds groups have spent blocked: ended episodes plus the ongoing ones
+        (so the figure grows while a group waits, and never goes back). O(groups)."""
+        now = self._clock()
+        return self.group_blocked_time + sum(
+            now - g.parked_at for g in self._groups.values() if g.parked_at
+        )
+
+    def largest_groups(self, n: int) -> list[tuple[str, int, int]]:
+        """(group name, waiting messages, seq of its oldest waiting message) for the
+        `n` groups with the most waiting messages (main order + parked, not in flight).
+        O(waiting messages): for a periodic collector, not the hot path."""
+        if n <= 0:
+            return []
+        backlog: dict[Any, list[int]] = {}
+        for e in self._all_waiting():
+            k = e.gkey
+            if k is None or k is EXCLUSIVE:
+                continue
+            b = backlog.get(k)
+            if b is None:
+                backlog[k] = [1, e.seq]
+            else:
+                b[0] += 1
+                if e.seq < b[1]:
+                    b[1] = e.seq
+        top = heapq.nlargest(n, backlog.items(), key=lambda kv: kv[1][0])
+        return [(key_name(k), b[0], b[1]) for k, b in top]
 
     def reset_group(self, group_id: str) -> bool:
         key = self._key_of(group_id)
@@ -1082,6 +1372,12 @@ class Queue:
     def consumer_count(self) -> int:
         return self._consumers_n
 
+    @property
+    def ready_count(self) -> int:
+        """Messages in the main order: waiting for any consumer that has credit (not
+        parked on a group, unmatched, delayed or in flight)."""
+        return self._main
+
     def _all_waiting(self) -> Iterable[Entry]:
         for dq in self._levels:
             yield from dq
@@ -1106,6 +1402,8 @@ class Queue:
             if q and any(e.expiry and e.expiry <= now_ms for e in q):
                 expired.extend(e for e in q if e.expiry and e.expiry <= now_ms)
                 g.parked = deque(e for e in q if not (e.expiry and e.expiry <= now_ms)) or None
+                if g.parked is None:
+                    self._unparked(g)
                 touched.append(g)
         if self._unmatched:
             expired.extend(e for e in self._unmatched if e.expiry and e.expiry <= now_ms)
@@ -1126,17 +1424,19 @@ class Queue:
         return len(expired)
 
     def purge(self) -> int:
-        """Drop every queued (not in flight) message."""
+        """Drop every queued (not in flight) message, paged ones included."""
+        paged = self._drop_paged()
         dropped = list(self._all_waiting())
         for dq in self._levels:
             dq.clear()
         self._main = 0
         for g in self._groups.values():
             g.parked = None
+            self._unparked(g)
         self._unmatched.clear()
         for e in dropped:
             self._remove(e)
-        return len(dropped)
+        return len(dropped) + paged
 
     def close(self) -> list[Consumer]:
         """Queue deleted: returns the consumers the protocol layer must detach."""
@@ -1163,11 +1463,92 @@ class Queue:
             "blocked_groups": sum(1 for g in self._groups.values() if g.parked),
             "stuck_groups": self._stuck_groups,
             "stuck_messages": self.stuck_messages,
+            "group_owner_changes": self.group_owner_changes,
+            "group_blocked_seconds": self.group_blocked_seconds(),
             "unmatched": len(self._unmatched),
             "delayed": len(self._delayed),
             "scheduled": self.scheduled,
             "dispatching": self.dispatching,
+            "paged_messages": self.paged_count,
+            "paged_bytes": self.paged_bytes,
         }
+
+    # ------------------------------------------------------------------ paging
+    # The page store holds the newest messages of a queue while its address is over
+    # its memory limit (policy PAGE); see the module docstring and store/paging.py.
+    def _page_out(self, e: Entry) -> None:
+        """`e` (seq set) goes to the page instead of memory. A durable message is not
+        journaled while paged: the page record is its durable copy."""
+        assert self.pager is not None
+        self.count += 1
+        self.enqueued += 1
+        n = len(e.data)
+        if not self.paged_count and self.address is not None:
+            self.address.budget.paging.add(self)
+        self.paged_count += 1
+        self.paged_bytes += n
+        self._last_paged = e.seq
+        self.pager.page(self.qid, e)
+
+    def depage(self, entries: Iterable[Entry]) -> None:
+        """Take back the oldest paged messages (in seq order, seq kept): they join the
+        tail of the main order and are dispatched like arriving messages. A durable
+        one on a durable queue is journaled now (the broker wraps this call and the
+        new `page_mark` in one atomic journal record)."""
+        for e in entries:
+            n = len(e.data)
+            self.paged_count -= 1
+            self.paged_bytes -= n
+            self.count -= 1
+            self.page_mark = e.seq
+            e.gkey = (
+                self._key_of(e.group_id)
+                if (e.group_id is not None or self._policy.exclusive)
+                else None
+            )
+            self._account(e)
+            if self.durable and e.durable:
+                self._store.message_added(self.qid, e)
+            if e.deliver_at and self._schedule(e):
+                continue
+            self._insert_main(e)
+        self._paging_ended()
+        self.dispatch()
+
+    def page_lost(self, n: int, nbytes: int) -> None:
+        """Paged messages the store could not read back (corrupt page, logged)."""
+        self.paged_count -= n
+        self.paged_bytes -= nbytes
+        self.count -= n
+        self._paging_ended()
+
+    def restore_paged(self, n: int, nbytes: int, max_seq: int, mark: int) -> None:
+        """Recovery: `n` durable messages are in the page (seq up to `max_seq`);
+        `mark` is the persisted `paged_through`."""
+        self.page_mark = mark
+        self._seq = max(self._seq, max_seq, mark)
+        if n:
+            self.count += n
+            self.paged_count += n
+            self.paged_bytes += nbytes
+            self._last_paged = max_seq
+            if self.address is not None:
+                self.address.budget.paging.add(self)
+
+    def _drop_paged(self) -> int:
+        n = self.paged_count
+        if n and self.pager is not None:
+            self.pager.drop(self.qid)
+            self.count -= n
+            self.paged_count = 0
+            self.paged_bytes = 0
+            self.page_mark = self._last_paged
+            self._paging_ended()
+        return n
+
+    def _paging_ended(self) -> None:
+        if not self.paged_count and self.address is not None:
+            self.address.budget.paging.discard(self)
 
     def __repr__(self) -> str:
         return f"<Queue {self.name!r} count={self.count} consumers={self._consumers_n}>"

@@ -1,19 +1,35 @@
 """One driver per connection, and the hub that flushes connections after a batch.
 
-A driver owns a non-blocking stdlib socket and three tasks: the reader (wait readable,
-`recv_into` a reused buffer, feed the connection), the writer (only wakes when the
-socket's send buffer was full) and the ticker (heartbeats / idle timeout at the
-deadlines Proton asks for).
+A driver runs one connection on one transport with three tasks: the reader (wait for
+input, feed the connection), the writer (sends output the flush could not) and the
+ticker (heartbeats / idle timeout at the deadlines Proton asks for, the opening
+handshake deadline, the close linger). `ConnectionDriver` holds what every transport
+shares (lifetime, ticker, close linger); two subclasses own the bytes:
+
+* `Driver`, the plain path: a non-blocking stdlib socket. The reader waits readable
+  and `recv_into`s a reused buffer; `flush_now` writes with non-blocking sends in the
+  caller's task, and the writer task only wakes when the socket's send buffer was full.
+* `StreamDriver`: any trio `Stream`, used for TLS (`trio.SSLStream`, see `net.tls`).
+  The reader awaits `receive_some`; since a stream write is a coroutine, `flush_now`
+  only processes the connection and wakes the writer task, which sends the
+  connection's output with `send_all`, then reports it as consumed. Output stays in
+  the connection's engine until it is sent, so `output_high_water` back-pressure works
+  the same as on the plain path. Only the writer task peeks the output.
+
+The plain path does not pay for the stream one: no indirection per read or send.
 
 No task switch per message (ARCHITECTURE decision 3): a batch of input is fed to the
 connection, which routes and dispatches synchronously, writing into other
 connections' engines. Those connections mark themselves dirty; `Hub.flush` then
-writes each one's pending output with non-blocking sends, in the reader's task. Only
-when a socket would block is its writer task woken.
+writes each one's pending output (plain) or wakes its writer (stream), in the
+reader's task.
 
-Lifetime: the driver ends when the peer closes the socket, the socket fails, or the
-connection's output is finished (after our close frame). Ending always runs the
-connection's cleanup, so unsettled messages go back to their queues.
+Lifetime: the driver ends when the peer closes the transport, the transport fails, or
+the connection's output is finished (after our close frame) and the peer closed its
+side or the linger (`handshake_timeout`) ran out. Ending always runs the connection's
+cleanup, so unsettled messages go back to their queues. One deadline,
+`handshake_timeout` after the accept, bounds the whole opening (TLS handshake, SASL,
+AMQP open).
 """
 
 from __future__ import annotations
@@ -38,7 +54,7 @@ class Hub:
 
     def __init__(self) -> None:
         self._dirty: list[AmqpConnection] = []
-        self.drivers: dict[AmqpConnection, Driver] = {}
+        self.drivers: dict[AmqpConnection, ConnectionDriver] = {}
         #: called after every flush (wakes the store writer)
         self.after_flush: list[Callable[[], object]] = []
         #: unparked whenever a driver ends (shutdown waits on it)
@@ -65,21 +81,24 @@ class Hub:
         return len(self._dirty)
 
 
-class Driver:
+class ConnectionDriver:
+    """What every transport shares; subclasses implement the four transport methods."""
+
     def __init__(
         self,
         hub: Hub,
         conn: AmqpConnection,
-        sock: socket.socket,
         *,
         read_size: int = 65536,
         handshake_timeout: float = 10.0,
+        accepted_at: float | None = None,
     ) -> None:
         self.hub = hub
         self.conn = conn
-        self.sock = sock
         self.read_size = read_size
         self.handshake_timeout = handshake_timeout
+        start = trio.current_time() if accepted_at is None else accepted_at
+        self._handshake_until = start + handshake_timeout
         self._closing = False
         self._linger_until = math.inf
         self._write_lot = trio.lowlevel.ParkingLot()
@@ -90,6 +109,26 @@ class Driver:
         self._scope: trio.CancelScope | None = None
         hub.drivers[conn] = self
 
+    # ------------------------------------------------------- the transport's part
+    async def _reader(self) -> None:
+        raise NotImplementedError
+
+    async def _writer(self) -> None:
+        raise NotImplementedError
+
+    def flush_now(self) -> None:
+        """Write (or start writing) the connection's pending output without blocking."""
+        raise NotImplementedError
+
+    def _half_close(self) -> bool:
+        """Tell the peer we send no more, if the transport can; False if it failed."""
+        return True
+
+    def _close_transport(self) -> None:
+        """Release the transport now (no await: runs in `run`'s finally)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared
     async def run(self) -> None:
         try:
             async with trio.open_nursery() as n:
@@ -105,7 +144,7 @@ class Driver:
             self.hub.drivers.pop(self.conn, None)
             self.hub.drivers_changed.unpark_all()
             self.conn.abort()
-            self.sock.close()
+            self._close_transport()
             self.hub.flush()
 
     def _finish(self) -> None:
@@ -116,6 +155,85 @@ class Driver:
     def stop(self) -> None:
         """Drop the connection now (shutdown deadline passed)."""
         self._finish()
+
+    def _output_finished(self) -> None:
+        """Our side is done (close frame or SASL failure written): half-close the
+        transport and give the peer `handshake_timeout` to close its side, so unread
+        input does not turn our close into a reset."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.conn.transport_failed:
+            # idle timeout, framing error: the peer is gone or broken, don't wait
+            self._finish()
+            return
+        self._linger_until = trio.current_time() + self.handshake_timeout
+        if not self._half_close():
+            self._finish()
+            return
+        self._tick_lot.unpark_all()
+
+    def _want_write(self) -> None:
+        if not self._write_blocked:
+            self._write_blocked = True
+            self._write_lot.unpark_all()
+
+    async def _ticker(self) -> None:
+        """Heartbeats and idle timeout (Proton's deadlines), the opening handshake
+        deadline, and the close linger."""
+        conn = self.conn
+        handshake_until = self._handshake_until
+        while not self._done:
+            now = trio.current_time()
+            at = math.inf
+            if self._ticking and not self._closing:
+                deadline = conn.tick(int(now * 1000))
+                self.flush_now()
+                self.hub.flush()
+                if deadline:
+                    at = deadline / 1000.0
+            if self._closing:
+                if now >= self._linger_until:
+                    self._finish()
+                    return
+                at = min(at, self._linger_until)
+            elif not conn.opened:
+                if now >= handshake_until:
+                    log.info(
+                        "connection %s from %s: no AMQP open within handshake_timeout "
+                        "(%.1f s); dropped",
+                        conn.conn_id,
+                        conn.peer,
+                        self.handshake_timeout,
+                    )
+                    self._finish()
+                    return
+                at = min(at, handshake_until)
+            with trio.move_on_at(at):
+                await self._tick_lot.park()
+
+
+class Driver(ConnectionDriver):
+    """The plain path: a non-blocking stdlib socket, written from the flushing task."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        conn: AmqpConnection,
+        sock: socket.socket,
+        *,
+        read_size: int = 65536,
+        handshake_timeout: float = 10.0,
+        accepted_at: float | None = None,
+    ) -> None:
+        self.sock = sock
+        super().__init__(
+            hub,
+            conn,
+            read_size=read_size,
+            handshake_timeout=handshake_timeout,
+            accepted_at=accepted_at,
+        )
 
     async def _reader(self) -> None:
         sock = self.sock
@@ -181,29 +299,15 @@ class Driver:
                 break
         conn.flushed()
 
-    def _output_finished(self) -> None:
-        """Our side is done (close frame or SASL failure written): half-close the
-        socket and give the peer `handshake_timeout` to close its side, so unread
-        input does not turn our close into a reset."""
-        if self._closing:
-            return
-        self._closing = True
-        if self.conn.transport_failed:
-            # idle timeout, framing error: the peer is gone or broken, don't wait
-            self._finish()
-            return
-        self._linger_until = trio.current_time() + self.handshake_timeout
+    def _half_close(self) -> bool:
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
-            self._finish()
-            return
-        self._tick_lot.unpark_all()
+            return False
+        return True
 
-    def _want_write(self) -> None:
-        if not self._write_blocked:
-            self._write_blocked = True
-            self._write_lot.unpark_all()
+    def _close_transport(self) -> None:
+        self.sock.close()
 
     async def _writer(self) -> None:
         while True:
@@ -214,36 +318,106 @@ class Driver:
                 self.flush_now()
                 self.hub.flush()
 
-    async def _ticker(self) -> None:
-        """Heartbeats and idle timeout (Proton's deadlines), the opening handshake
-        deadline, and the close linger."""
+
+class StreamDriver(ConnectionDriver):
+    """Any trio Stream (TLS): the writer task sends, `flush_now` only wakes it.
+
+    `_close_transport` closes `sock`, the socket under `stream`, without waiting (no
+    TLS close_notify, see `net.tls`); the stream object is then dropped."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        conn: AmqpConnection,
+        stream: trio.abc.Stream,
+        *,
+        sock: trio.socket.SocketType,
+        read_size: int = 65536,
+        handshake_timeout: float = 10.0,
+        accepted_at: float | None = None,
+    ) -> None:
+        self.stream = stream
+        self._socket = sock
+        super().__init__(
+            hub,
+            conn,
+            read_size=read_size,
+            handshake_timeout=handshake_timeout,
+            accepted_at=accepted_at,
+        )
+
+    async def _reader(self) -> None:
+        stream = self.stream
         conn = self.conn
-        handshake_until = trio.current_time() + self.handshake_timeout
+        hub = self.hub
+        read_size = self.read_size
         while not self._done:
-            now = trio.current_time()
-            at = math.inf
-            if self._ticking and not self._closing:
-                deadline = conn.tick(int(now * 1000))
-                self.flush_now()
-                self.hub.flush()
-                if deadline:
-                    at = deadline / 1000.0
-            if self._closing:
-                if now >= self._linger_until:
-                    self._finish()
-                    return
-                at = min(at, self._linger_until)
-            elif not conn.opened:
-                if now >= handshake_until:
-                    log.info(
-                        "connection %s from %s: no AMQP open within handshake_timeout "
-                        "(%.1f s); dropped",
-                        conn.conn_id,
-                        conn.peer,
-                        self.handshake_timeout,
-                    )
-                    self._finish()
-                    return
-                at = min(at, handshake_until)
-            with trio.move_on_at(at):
-                await self._tick_lot.park()
+            try:
+                data = await stream.receive_some(read_size)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                cause = exc.__cause__ or exc
+                log.info("connection %s: transport error: %s", conn.conn_id, cause)
+                return
+            if not data:
+                conn.input_closed()
+                hub.flush()
+                return
+            if conn.sasl_may_block:
+                await trio.to_thread.run_sync(conn.sasl_feed, bytes(data))
+                conn.feed(b"")
+            else:
+                conn.feed(data)
+            hub.flush()
+            if not self._ticking and conn.opened:
+                self._ticking = True
+                self._tick_lot.unpark_all()
+
+    def flush_now(self) -> None:
+        """Process the connection and wake the writer (which re-checks the output
+        after every send, so a wake-up while it sends is never lost)."""
+        conn = self.conn
+        if self._done:
+            conn.dirty = False
+            return
+        conn.process()
+        self._write_lot.unpark_all()
+        conn.flushed()
+
+    async def _writer(self) -> None:
+        conn = self.conn
+        stream = self.stream
+        while not self._done:
+            out = conn.output()
+            if out is None:
+                conn.flushed()
+                self._output_finished()
+                return
+            if not out:
+                await self._write_lot.park()
+                continue
+            # a copy: the connection reuses its output buffer for the next peek
+            data = bytes(out)
+            try:
+                await stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.info("connection %s: transport error: %s", conn.conn_id, exc.__cause__ or exc)
+                conn.abort()
+                self._finish()
+                return
+            conn.consumed(len(data))
+            conn.flushed()
+            self.hub.flush()
+
+    def _half_close(self) -> bool:
+        # TCP's half-close under the TLS stream, as on the plain path (every byte of
+        # TLS is sent: the writer calls this after its last send_all). No close_notify:
+        # trio's SSLStream can only send one by closing the whole stream, and the
+        # peer already has our AMQP close or SASL outcome (see net.tls).
+        try:
+            self._socket.shutdown(socket.SHUT_WR)
+        except OSError:
+            return False
+        return True
+
+    def _close_transport(self) -> None:
+        self._socket.close()

@@ -16,6 +16,13 @@ Every refusal carries an AMQP condition and a description a person can act on.
 Links are refused the way Qpid JMS expects: attach with a null source/target, then
 detach with the error.
 
+Authorisation (`authorize`, when security is enabled): each attach of a named link is
+checked once against `core.authz` (consumer: consume; browser: browse; producer:
+send; plus create_address when the attach would auto-create the address;
+unsubscribe: consume on the topic; `$management`: manage). Dynamic nodes are the
+client's own and are not checked; the anonymous relay checks each destination
+(links.py). A denial refuses the attach with amqp:unauthorized-access, logged once.
+
 Invariants: `links` holds exactly the open links of this connection (raw pointer ->
 handler); `cleanup` (on close, transport error or abort) detaches every handler, so
 consumers' unsettled messages return to their queues and temporary queues go away.
@@ -34,6 +41,7 @@ from proton import Condition, Link, Terminus, symbol
 from amqbroker import __version__
 from amqbroker.core.address import ANYCAST, MULTICAST
 from amqbroker.core.auth import Authenticator
+from amqbroker.core.authz import Authorizer
 from amqbroker.core.broker import Broker, Subscription
 from amqbroker.core.errors import (
     BrokerError,
@@ -89,6 +97,11 @@ class ConnectionLimits:
     refuse_reason: str = ""  # non-empty: close the connection right after open
     #: most messages (sends + acknowledgements) one transaction may hold
     max_transaction_messages: int = 100_000
+    #: destinations whose 'send' permission an anonymous-relay link remembers
+    relay_authz_cache: int = 256
+    #: tracing hooks (amqbroker.telemetry), None while tracing is off; see links.py
+    route_tracer: Callable[..., None] | None = None
+    dispatch_tracer: Callable[..., None] | None = None
 
 
 def _first_object(data: Any) -> Any:
@@ -175,8 +188,15 @@ class AmqpConnection:
         sync: SyncTracker | None = None,
         management: Any = None,
         on_dirty: Callable[[AmqpConnection], None] | None = None,
+        authz: Authorizer | None = None,
+        tls_identity: str | None = None,
     ) -> None:
         self.broker = broker
+        #: subject (RFC 4514) of the client certificate verified by the TLS handshake;
+        #: None on a plain connection or without a client certificate
+        self.tls_identity = tls_identity
+        #: None = security off: no check anywhere (links test this, not authz.enabled)
+        self.authz = authz if authz is not None and authz.enabled else None
         self.limits = limits
         self.conn_id = conn_id
         self.peer = peer
@@ -199,8 +219,9 @@ class AmqpConnection:
         self._closed = False
         self._opened = False
         self._cleaned = False
-        self._sasl: SaslServer | None = SaslServer(auth, max_frame=max(limits.max_frame_size, 512))
-        self._plain_offered = "PLAIN" in auth.mechanisms()
+        self._sasl: SaslServer | None = SaslServer(
+            auth, max_frame=max(limits.max_frame_size, 512), tls_identity=tls_identity
+        )
         self._pre_output = b""
         self._sasl_failed = False
         self.rbuf = fp.RecvBuffer()
@@ -255,9 +276,9 @@ class AmqpConnection:
 
     @property
     def sasl_may_block(self) -> bool:
-        """Feeding the SASL layer may verify a password (PBKDF2, tens of ms): the net
-        layer then runs `sasl_feed` in a worker thread."""
-        return self.in_sasl and self._plain_offered
+        """Feeding the SASL layer may verify a password (PBKDF2, tens of ms; PLAIN or
+        SCRAM-SHA-256 offered): the net layer then runs `sasl_feed` in a worker thread."""
+        return self.in_sasl and self._sasl is not None and self._sasl.may_block
 
     def sasl_feed(self, data: bytes) -> None:
         """Feed the SASL layer only; touches nothing else, so it may run in a thread.
@@ -367,6 +388,10 @@ class AmqpConnection:
     # -------------------------------------------------------- control events
     def _control(self, ev: Any) -> None:
         t = fp.event_type(ev)
+        if self._cleaned and t in (EV_LINK_REMOTE_OPEN, EV_SSN_REMOTE_OPEN):
+            # the connection is closing (refused, errored): a session or link the peer
+            # begins after that would be registered after `cleanup` and never freed
+            return
         try:
             if t == EV_LINK_REMOTE_OPEN:
                 self._on_link_open(Link.wrap(fp.event_link(ev)))
@@ -393,6 +418,15 @@ class AmqpConnection:
                 self.cleanup(failed=True)
             elif t == EV_TRANSPORT_CLOSED:
                 self.cleanup(failed=True)
+        except UnicodeDecodeError as exc:
+            # Proton decodes string fields (container-id, link name, address...) only
+            # when they are read: a peer's bad UTF-8 is its error, not ours
+            log.info("connection %s from %s: invalid UTF-8: %s", self.conn_id, self.peer, exc)
+            self.close(
+                "amqp:decode-error",
+                f"a string field of your frame is not valid UTF-8 ({exc.reason} at byte "
+                f"{exc.start}); AMQP strings must be UTF-8",
+            )
         except Exception:
             log.exception(
                 "connection %s: error handling %s",
@@ -519,6 +553,21 @@ class AmqpConnection:
             self._refuse_link(link, err)
         self.mark_dirty()
 
+    def authorize(self, permission: str, address: str, *, create: bool = True) -> None:
+        """Raise Unauthorized unless this connection's user holds `permission` on
+        `address`, and also 'create_address' when the attach would auto-create it
+        (`create`). Called once per attach of a named link; dynamic nodes (temporary
+        queues and topics) are the client's own and are never checked."""
+        authz = self.authz
+        if authz is None:
+            return
+        authz.check(self.user, permission, address)
+        if create:
+            name = address.partition("?")[0]
+            broker = self.broker
+            if name not in broker.addresses and broker.resolve(name).auto_create_addresses:
+                authz.check(self.user, "create_address", name)
+
     def _attach_consumer(self, link: Any) -> None:
         src = link.remote_source
         filters = _source_filters(src.filter)
@@ -556,6 +605,7 @@ class AmqpConnection:
         ) and (hint == MULTICAST or "shared" in caps or broker.is_topic(address)):
             shared = "shared" in caps
             name = link.name.partition("|")[0] if shared else link.name
+            self.authorize("consume", address)
             sub = Subscription(
                 name,
                 container="" if (shared and "global" in caps) else container,
@@ -565,6 +615,10 @@ class AmqpConnection:
                 selector=filters.selector,
                 no_local=filters.no_local,
             )
+            old = broker.queues.get(sub.queue_name)
+            if old is not None and old.address is not None:
+                # re-subscribing on another topic removes the old subscription
+                self.authorize("consume", old.address.name, create=False)
             q = self._guard_selector(
                 lambda: broker.subscription_queue(address, sub, origin=self.conn_id)
             )
@@ -575,6 +629,7 @@ class AmqpConnection:
                     "for several)"
                 )
         else:
+            self.authorize("consume", address)
             q = broker.queue_for_consumer(address, hint, subscription=link.name)
         consumer_filter = None
         if q.address is not None and q.address.routing == MULTICAST:
@@ -643,6 +698,7 @@ class AmqpConnection:
     ) -> None:
         """A queue browser (source distribution-mode copy): sees the queue's messages
         in order, as they are when it attaches, without consuming them."""
+        self.authorize("browse", address)
         q = self.broker.queue_for_consumer(address, hint)
         match = self._consumer_filter(filters) if filters.selector or filters.no_local else None
         link.source.copy(link.remote_source)
@@ -667,6 +723,8 @@ class AmqpConnection:
                 f"subscription {q.subscription_name!r} has active consumers; close them "
                 "before unsubscribing"
             )
+        # closing this link removes the subscription: that takes 'consume' on its topic
+        self.authorize("consume", q.address.name if q.address is not None else q.name, create=False)
         src = link.source
         src.address = q.address.name if q.address is not None else q.name
         src.durability = Terminus.DELIVERIES if q.durable else Terminus.NONDURABLE
@@ -717,6 +775,7 @@ class AmqpConnection:
         else:
             caps = _symbols(tgt.capabilities)
             hint = next((_ROUTING_CAPS[c] for c in caps if c in _ROUTING_CAPS), None)
+            self.authorize("send", tgt.address)
             address = broker.address_for_producer(tgt.address, hint)
             name = tgt.address
         link.target.copy(tgt)
@@ -757,6 +816,8 @@ class AmqpConnection:
         h.start()
 
     def _attach_management(self, link: Any) -> None:
+        # refused at attach (and every request is checked again by the node)
+        self.authorize("manage", MANAGEMENT_ADDRESS, create=False)
         h = self.management.attach(self, link)
         self.links[h.ptr] = h
         link.target.copy(link.remote_target)

@@ -14,6 +14,21 @@ durable queue is settled only after the store has synced the batch holding it
 (`SyncTracker`); every other one is accepted at once. Credit is the backpressure: a
 window is granted and topped up at half, except while the target address is full
 under the BLOCK policy, when the link waits on the address until space returns.
+
+Authorisation: a named producer was checked once at attach (connection.py), so its
+transfers are never checked. An anonymous-relay link under security checks 'send' on
+each message's `to` (and 'create_address' when that address would be auto-created);
+the destinations it was allowed are remembered in a per-link set bounded by
+`ConnectionLimits.relay_authz_cache`, so the steady state costs one set lookup. A
+denied transfer alone is rejected with amqp:unauthorized-access (the link stays
+open); the first denial per link is logged.
+
+Tracing: while it is off both links hold `tracer = None`, so a message pays one
+attribute test on each side. When on, the app's hooks (`ConnectionLimits.route_tracer`
+and `dispatch_tracer`, built by `amqbroker.telemetry`) are called with the link and
+the `Entry`: the route hook (before the message is queued or enlisted) may replace
+`entry.data` with a copy carrying the broker's trace context in its
+message-annotations; the dispatch hook runs before the bytes go on the wire.
 """
 
 from __future__ import annotations
@@ -24,10 +39,11 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from amqbroker.core.address import Address
+from amqbroker.core.authz import CACHED_ADDRESS_MAX
 from amqbroker.core.broker import PENDING, ROUTED_SYNC, Broker
 from amqbroker.core.consumer import Consumer
 from amqbroker.core.entry import Entry
-from amqbroker.core.errors import BrokerError
+from amqbroker.core.errors import BrokerError, Unauthorized
 from amqbroker.core.queue import Queue
 from amqbroker.core.transaction import (
     ACCEPT,
@@ -87,7 +103,7 @@ class SyncTracker:
 
 
 class ConsumerLink(Consumer):
-    __slots__ = ("conn", "link", "ptr", "tagger", "temporary_queue", "unsettled")
+    __slots__ = ("conn", "link", "ptr", "tagger", "temporary_queue", "tracer", "unsettled")
 
     def __init__(
         self,
@@ -112,9 +128,12 @@ class ConsumerLink(Consumer):
         self.unsettled: dict[Any, Entry] = {}
         #: the queue is a dynamic node owned by this link (deleted on close)
         self.temporary_queue = temporary_queue
+        self.tracer = conn.limits.dispatch_tracer
 
     # core -> wire
     def deliver(self, entry: Entry, first: bool) -> None:
+        if self.tracer is not None:
+            self.tracer(self, entry)
         data = entry.data
         if entry.delivery_count:
             data = set_delivery_count(data, entry.delivery_count)
@@ -264,14 +283,17 @@ class ProducerLink:
         "closed",
         "conn",
         "credit",
+        "denied",
         "fallback",
         "link",
         "max_size",
         "origin",
         "ptr",
         "rbuf",
+        "relay_ok",
         "sync",
         "temporary_queue",
+        "tracer",
         "waiting",
         "window",
     )
@@ -306,6 +328,14 @@ class ProducerLink:
         #: True for links whose messages are already routed (cluster bridges):
         #: the broker's `router` hook (clustered routing) is not asked
         self.bypass_router = False
+        self.tracer = conn.limits.route_tracer
+        #: anonymous relay under security: destinations this link may send to (bounded
+        #: by limits.relay_authz_cache); None = no per-message check
+        self.relay_ok: set[str] | None = (
+            set() if address is None and conn.authz is not None else None
+        )
+        #: a relay transfer was refused for lack of permission (logged once per link)
+        self.denied = False
         self.fallback = True
         if address is not None and address.settings is not None:
             self.fallback = bool(address.settings.group_id_from_application_properties)
@@ -315,7 +345,7 @@ class ProducerLink:
 
     def _top_up(self) -> None:
         a = self.address
-        if a is not None and a.full_policy != "FAIL" and a.full:
+        if a is not None and a.full_policy == "BLOCK" and a.full:
             if not self.blocked:
                 self.blocked = True
                 a.block(self)
@@ -345,8 +375,8 @@ class ProducerLink:
                 self.conn.detach_link(
                     self,
                     "amqp:link:message-size-exceeded",
-                    f"message larger than the maximum of {self.max_size} bytes "
-                    "(max_message_size); send smaller messages",
+                    f"message larger than max_message_size ({self.max_size} bytes): "
+                    f"{n} bytes received so far; send smaller messages",
                 )
             elif fp.aborted(d):
                 delivery_settle(d)
@@ -357,8 +387,10 @@ class ProducerLink:
         got = link_recv(ptr, rb.buf, n)
         link_advance(ptr)
         self.credit -= 1
-        if got < 0:  # aborted, or nothing to read
+        if got < 0 and fp.aborted(d):
             delivery_settle(d)
+        elif got < 0:  # a transfer without payload: no message (rejected, decode-error)
+            self._route(d, b"", bool(delivery_settled(d)))
         else:
             self._route(d, unpack(rb.buf, got), bool(delivery_settled(d)))
         if self.credit <= self.window >> 1 and not self.blocked:
@@ -370,7 +402,8 @@ class ProducerLink:
                 d,
                 presettled,
                 "amqp:link:message-size-exceeded",
-                f"message of {len(data)} bytes is larger than max_message_size ({self.max_size})",
+                f"message of {len(data)} bytes is larger than max_message_size "
+                f"({self.max_size} bytes); send smaller messages",
             )
             return
         try:
@@ -393,6 +426,13 @@ class ProducerLink:
                         "properties.to; set the destination address on the message",
                     )
                     return
+                ok = self.relay_ok
+                if (
+                    ok is not None
+                    and (to not in ok or to not in broker.addresses)
+                    and not self._relay_allowed(d, presettled, to)
+                ):
+                    return
                 a = broker.address_for_relay(to, data)
             expiry = 0
             if ttl:
@@ -401,6 +441,8 @@ class ProducerLink:
                 expiry = abs_exp
             e = Entry(data, durable, prio if prio < 10 else 9, expiry, dc, gid, gseq)
             e.origin = self.origin
+            if self.tracer is not None:
+                self.tracer(self, e, a)
             if dtime or ddelay:
                 # JMS delivery delay: x-opt-delivery-delay (relative) wins over time
                 e.deliver_at = int(broker.clock() * 1000) + ddelay if ddelay > 0 else dtime
@@ -470,11 +512,43 @@ class ProducerLink:
             a is not None
             and self.address is None
             and a.full
-            and a.full_policy != "FAIL"
+            and a.full_policy == "BLOCK"
             and not self.blocked
         ):
             self.blocked = True
             a.block(self)
+
+    def _relay_allowed(self, d: Any, presettled: bool, to: str) -> bool:
+        """Anonymous relay under security: the user needs 'send' on the message's `to`
+        (and 'create_address' when it would be auto-created). A denial rejects this
+        transfer only, with amqp:unauthorized-access; the first one is logged."""
+        conn = self.conn
+        try:
+            conn.authorize("send", to)
+        except Unauthorized as err:
+            if presettled:
+                fp.settle(d)
+            else:
+                fp.reject(d, err.condition, err.description)
+            if not self.denied:
+                self.denied = True
+                log.info(
+                    "connection %s: anonymous relay link %r: %s %s (%s; further denials "
+                    "on this link are not logged)",
+                    conn.conn_id,
+                    self.link.name,
+                    err.condition,
+                    err.description,
+                    "dropped: presettled" if presettled else "transfer rejected",
+                )
+            return False
+        ok = self.relay_ok
+        bound = conn.limits.relay_authz_cache
+        if ok is not None and bound and len(to) <= CACHED_ADDRESS_MAX:
+            if len(ok) >= bound:
+                ok.clear()
+            ok.add(to)
+        return True
 
     def _enlist(self, d: Any, a: Address, e: Entry, presettled: bool) -> None:
         """A transactional transfer: held by its transaction, routed at commit, and

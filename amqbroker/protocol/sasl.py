@@ -24,39 +24,66 @@ The exchange, as the server sees it::
                               <-    sasl-outcome [code]
     AMQP 0 1 0 0, open ...    ->    (passthrough to Proton)
 
-A client may pipeline the whole left column in one write. A client that sends
-``AMQP 0 1 0 0`` straight away skips SASL: allowed (as user "anonymous", the header
-itself is passthrough) unless authentication is required, in which case the server
-answers with the SASL header so the client learns that SASL is needed, and fails.
+and with SCRAM-SHA-256 (RFC 5802, RFC 7677), one challenge round::
+
+    sasl-init [SCRAM-SHA-256, client-first]  ->
+                              <-    sasl-challenge [server-first "r=..,s=..,i=.."]
+    sasl-response [client-final]             ->
+                              <-    sasl-outcome [ok, additional-data server-final "v=.."]
+
+A client may pipeline the whole left column of a one-step mechanism in one write. A
+client that sends ``AMQP 0 1 0 0`` straight away skips SASL: allowed (as user
+"anonymous", the header itself is passthrough) when anonymous access is allowed
+(`Authenticator.anonymous_allowed`); otherwise the server answers with the SASL header
+so the client learns that SASL is needed, and fails.
 
 Input is parsed into inputs (`Input`: a protocol header or a SASL frame kind) and each
-input is applied through one table, `TRANSITIONS`: (state, input) -> (action, next
-state), in the style of h11's ``_state.py``. A pair missing from the table is an
+input is applied through one table, `TRANSITIONS`: (state, input) -> (action, the
+states it may lead to), in the style of h11's ``_state.py``. The action returns the
+next state, which must be one the table lists (sasl-init leads to DONE for one-step
+mechanisms and to AWAIT_RESPONSE for SCRAM). A pair missing from the table is an
 illegal input (`UnexpectedFrame`). Actions and the parser report every problem by
 raising a `SaslError` subclass; `_fail` turns it into the FAILED state, an `error`
 string and, when the client can still understand one, a reply: our protocol header
 before the headers were exchanged, a sasl-outcome (code `SaslError.code`: auth for
-refused credentials or a mechanism not offered, sys-perm for protocol errors) after;
-no outcome when the offered mechanism list was empty (`NoMechanisms`).
+refused credentials, a mechanism not offered or a malformed mechanism message,
+sys-perm for protocol errors) after; no outcome when the offered mechanism list was
+empty (`NoMechanisms`). A sasl-outcome carries no text, so `error` (logged by the
+connection) is where a person reads what went wrong.
 
-Mechanisms: the server offers `Authenticator.mechanisms()`; PLAIN (RFC 4616, initial
-response only) and ANONYMOUS are implemented. When `hostname` is given, a sasl-init
-whose hostname field names another host (case-insensitive) is refused (sys-perm); the
-client's value is kept in `client_hostname` either way.
+Mechanisms: the server offers `Authenticator.mechanisms(tls_identity)`:
+
+- EXTERNAL (RFC 4422 appendix A), offered only when the connection presented a TLS
+  client certificate (`tls_identity`, its subject): the user is
+  `Authenticator.tls_user(tls_identity)`; an unmapped identity is refused (auth). The
+  initial response, an authzid, must be empty or name that user.
+- SCRAM-SHA-256 (`_Scram`): the client-first message must be the initial response.
+  Channel binding is not supported (we never offer SCRAM-SHA-256-PLUS): gs2 flag "n"
+  and "y" are accepted, "p=" is refused. An authzid ("a=") must equal the user name.
+  A user without a SCRAM credential, known or not, gets a complete exchange with fake
+  credentials (`Authenticator.scram_credentials`) and then auth, so the exchange does
+  not reveal who exists. User names are compared exactly (no SASLprep).
+- PLAIN (RFC 4616, initial response only) and ANONYMOUS.
+
+When `hostname` is given, a sasl-init whose hostname field names another host
+(case-insensitive) is refused (sys-perm); the client's value is kept in
+`client_hostname` either way.
 
 Cost: completing a PLAIN sasl-init runs `Authenticator.authenticate_plain`, i.e. up to
-one PBKDF2 computation (a cache hit is free). `feed` is synchronous; an event-loop
-caller that must not block can run it in a worker thread (hashlib releases the GIL).
+one PBKDF2 computation (a cache hit is free); a SCRAM exchange costs a few HMACs (the
+client does the PBKDF2). `feed` is synchronous; an event-loop caller that must not
+block can run it in a worker thread (hashlib releases the GIL) whenever `may_block`.
 
 Invariants
 ----------
-- The state only moves forward: AWAIT_HEADER -> AWAIT_INIT -> DONE, or to FAILED from
-  either of the first two. DONE and FAILED are final.
+- The state only moves forward: AWAIT_HEADER -> AWAIT_INIT -> [AWAIT_RESPONSE ->]
+  DONE, or to FAILED from any of the first three. DONE and FAILED are final.
 - Until DONE, nothing is passthrough; after DONE every byte is passthrough, in order,
-  starting right after the sasl-init frame (or with the AMQP header when SASL was
+  starting right after the last SASL frame (or with the AMQP header when SASL was
   skipped). Once FAILED, input is discarded.
-- At most one protocol header and at most one sasl-outcome are ever output; an ok
-  outcome is sent exactly when the state becomes DONE through SASL.
+- At most one protocol header, at most one sasl-challenge and at most one sasl-outcome
+  are ever output; an ok outcome is sent exactly when the state becomes DONE through
+  SASL, and it carries additional-data exactly for SCRAM (the server-final message).
 - Between calls to `feed`, while not DONE, the input buffer holds less than one frame
   of at most `max_frame` bytes: an oversized frame is refused as soon as its size
   field arrives.
@@ -70,24 +97,32 @@ frames); this module does not import trio.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
+import secrets
 import struct
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 import proton
 
+from amqbroker.core.auth import scram_verify
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from amqbroker.core.auth import Authenticator
+    from amqbroker.core.auth import Authenticator, ScramCredentials
 
 __all__ = [
     "AMQP_HEADER",
     "ANONYMOUS_USER",
+    "BLOCKING_MECHANISMS",
     "SASL_HEADER",
+    "SCRAM_SHA_256",
     "TRANSITIONS",
     "AuthenticationFailed",
     "BadProtocolHeader",
+    "ChannelBindingNotSupported",
     "FrameTooLarge",
     "Input",
     "MalformedFrame",
@@ -98,6 +133,7 @@ __all__ = [
     "State",
     "UnexpectedFrame",
     "WrongHost",
+    "encode_challenge",
     "encode_mechanisms",
     "encode_outcome",
 ]
@@ -112,7 +148,13 @@ _SASL_FRAME_TYPE: Final = 1
 MIN_MAX_FRAME: Final = 512
 
 ANONYMOUS_USER: Final = "anonymous"
+SCRAM_SHA_256: Final = "SCRAM-SHA-256"
+#: mechanisms whose server side may verify a password with PBKDF2 (PLAIN does; a SCRAM
+#: exchange itself costs a few HMACs, but is listed so that any password mechanism runs
+#: off the event loop)
+BLOCKING_MECHANISMS: Final = frozenset({"PLAIN", SCRAM_SHA_256})
 _MAX_NAME_IN_ERROR = 64
+_MAX_SUBJECT_IN_ERROR = 256
 
 
 class Outcome(enum.IntEnum):
@@ -128,8 +170,12 @@ class Outcome(enum.IntEnum):
 class State(enum.Enum):
     AWAIT_HEADER = "AWAIT_HEADER"  # nothing received yet: expecting a protocol header
     AWAIT_INIT = "AWAIT_INIT"  # header and sasl-mechanisms sent: expecting sasl-init
+    AWAIT_RESPONSE = "AWAIT_RESPONSE"  # sasl-challenge sent: expecting sasl-response
     DONE = "DONE"  # authenticated (or SASL skipped): everything is passthrough
     FAILED = "FAILED"  # send take_output() and close; input is discarded
+
+
+_RUNNING: Final = frozenset({State.AWAIT_HEADER, State.AWAIT_INIT, State.AWAIT_RESPONSE})
 
 
 class Input(enum.Enum):
@@ -146,14 +192,20 @@ class Action(enum.Enum):
     OFFER_MECHANISMS = "offer_mechanisms"
     SKIP_SASL = "skip_sasl"
     AUTHENTICATE = "authenticate"
+    VERIFY_RESPONSE = "verify_response"
 
 
-# (state, input) -> (action, next state). Anything not listed is an UnexpectedFrame.
-# Actions may raise a SaslError instead, which always leads to FAILED.
-TRANSITIONS: Final[dict[tuple[State, Input], tuple[Action, State]]] = {
-    (State.AWAIT_HEADER, Input.SASL_HEADER): (Action.OFFER_MECHANISMS, State.AWAIT_INIT),
-    (State.AWAIT_HEADER, Input.AMQP_HEADER): (Action.SKIP_SASL, State.DONE),
-    (State.AWAIT_INIT, Input.SASL_INIT): (Action.AUTHENTICATE, State.DONE),
+# (state, input) -> (action, the states it may lead to; the action returns which).
+# Anything not listed is an UnexpectedFrame. Actions may raise a SaslError instead,
+# which always leads to FAILED.
+TRANSITIONS: Final[dict[tuple[State, Input], tuple[Action, tuple[State, ...]]]] = {
+    (State.AWAIT_HEADER, Input.SASL_HEADER): (Action.OFFER_MECHANISMS, (State.AWAIT_INIT,)),
+    (State.AWAIT_HEADER, Input.AMQP_HEADER): (Action.SKIP_SASL, (State.DONE,)),
+    (State.AWAIT_INIT, Input.SASL_INIT): (
+        Action.AUTHENTICATE,
+        (State.DONE, State.AWAIT_RESPONSE),
+    ),
+    (State.AWAIT_RESPONSE, Input.SASL_RESPONSE): (Action.VERIFY_RESPONSE, (State.DONE,)),
 }
 
 _FRAME_KINDS: Final = (
@@ -196,7 +248,7 @@ class UnexpectedFrame(SaslError):
 
 
 class NoMechanisms(SaslError):
-    """Nothing to offer (auth required, no users): the client fails on the empty list.
+    """Nothing to offer (auth required, no way to authenticate on this connection).
 
     No outcome is sent: a client cannot choose from an empty sasl-mechanisms list, and
     Proton reads an outcome that follows it as garbage AMQP.
@@ -210,9 +262,13 @@ class WrongHost(SaslError):
 
 
 class AuthenticationFailed(SaslError):
-    """Credentials refused, or a mechanism we do not offer."""
+    """Credentials refused, a mechanism we do not offer, or a malformed mechanism message."""
 
     code = Outcome.AUTH
+
+
+class ChannelBindingNotSupported(AuthenticationFailed):
+    """A SCRAM client that requires channel binding (GS2 flag "p=")."""
 
 
 # --- frame codec -------------------------------------------------------------------------
@@ -222,6 +278,13 @@ class _Init(NamedTuple):
     mechanism: str
     initial_response: bytes | None
     hostname: str | None
+
+
+class _Response(NamedTuple):
+    response: bytes
+
+
+_Payload = _Init | _Response | None
 
 
 def _encode_frame(descriptor: int, fill: Callable[[proton.Data], None]) -> bytes:
@@ -249,9 +312,18 @@ def encode_mechanisms(mechanisms: list[str]) -> bytes:
     return _encode_frame(0x40, fill)
 
 
-def encode_outcome(code: Outcome) -> bytes:
+def encode_challenge(challenge: bytes) -> bytes:
+    def fill(data: proton.Data) -> None:
+        data.put_binary(challenge)
+
+    return _encode_frame(0x42, fill)
+
+
+def encode_outcome(code: Outcome, additional_data: bytes | None = None) -> bytes:
     def fill(data: proton.Data) -> None:
         data.put_ubyte(int(code))
+        if additional_data is not None:
+            data.put_binary(additional_data)
 
     return _encode_frame(0x44, fill)
 
@@ -306,6 +378,13 @@ def _decode_init(data: proton.Data) -> _Init:
     return _Init(mechanism, response, hostname)
 
 
+def _decode_response(data: proton.Data) -> _Response:
+    """Fields of a sasl-response list: response, mandatory (part 5.3.3.4)."""
+    if data.next() != proton.Data.BINARY:
+        raise MalformedFrame("sasl-response response is missing or not binary")
+    return _Response(bytes(data.get_binary()))
+
+
 def _header_problem(received: bytes | bytearray) -> str | None:
     """Why `received` (a prefix of the peer's input) cannot start a header we accept."""
     for i, byte in enumerate(received[: len(_MAGIC)]):
@@ -322,26 +401,213 @@ def _header_problem(received: bytes | bytearray) -> str | None:
     return f"unsupported protocol header {header!r} (expected {SASL_HEADER!r})"
 
 
-def _clip(name: str) -> str:
-    if len(name) > _MAX_NAME_IN_ERROR:
-        name = name[:_MAX_NAME_IN_ERROR] + "..."
+def _clip(name: str, limit: int = _MAX_NAME_IN_ERROR) -> str:
+    if len(name) > limit:
+        name = name[:limit] + "..."
     return repr(name)
+
+
+# --- SCRAM-SHA-256 (RFC 5802, RFC 7677), server side ---------------------------------------
+
+
+def _scram_malformed(what: str, problem: str) -> AuthenticationFailed:
+    return AuthenticationFailed(f"malformed {SCRAM_SHA_256} {what}: {problem}")
+
+
+def _scram_text(message: bytes, what: str) -> str:
+    try:
+        return message.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _scram_malformed(what, "not UTF-8") from None
+
+
+def _saslname(value: str, what: str) -> str:
+    """Decode a SCRAM saslname ("=2C" is ',', "=3D" is '='; a bare '=' or NUL is illegal)."""
+    if not value:
+        raise _scram_malformed("client-first message", f"empty {what}")
+    out: list[str] = []
+    i = 0
+    while i < len(value):
+        c = value[i]
+        if c == "=":
+            code = value[i + 1 : i + 3]
+            if code not in ("2C", "3D"):
+                raise _scram_malformed(
+                    "client-first message", f"{what} has '=' not followed by 2C or 3D"
+                )
+            out.append("," if code == "2C" else "=")
+            i += 3
+            continue
+        if c == "\0":
+            raise _scram_malformed("client-first message", f"{what} contains NUL")
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _check_nonce(nonce: str) -> None:
+    if not nonce:
+        raise _scram_malformed("client-first message", "empty client nonce (r=)")
+    if not all(0x21 <= ord(c) <= 0x7E for c in nonce):  # ',' cannot occur: split on it
+        raise _scram_malformed(
+            "client-first message", "the client nonce (r=) has non-printable characters"
+        )
+
+
+def _check_extensions(attributes: list[str], what: str) -> None:
+    for attribute in attributes:
+        if not (len(attribute) >= 2 and attribute[0].isascii() and attribute[0].isalpha()):
+            raise _scram_malformed(what, f"attribute {_clip(attribute)} is not 'x=value'")
+        if attribute[1] != "=":
+            raise _scram_malformed(what, f"attribute {_clip(attribute)} is not 'x=value'")
+
+
+def _b64_attribute(text: str, what: str, name: str) -> bytes:
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise _scram_malformed(what, f"{name} is not valid base64") from None
+
+
+class _Scram:
+    """One SCRAM-SHA-256 exchange, server side (RFC 5802 section 5): two calls."""
+
+    def __init__(self, auth: Authenticator, server_nonce: str) -> None:
+        self._auth = auth
+        self._server_nonce = server_nonce
+        self.user = ""
+        self._gs2_header = ""
+        self._client_first_bare = ""
+        self._server_first = ""
+        self._nonce = ""
+        self._creds: ScramCredentials | None = None
+        self._problem: str | None = None
+
+    def server_first(self, client_first: bytes) -> bytes:
+        """Take the client-first message; the server-first message (the challenge)."""
+        what = "client-first message"
+        text = _scram_text(client_first, what)
+        parts = text.split(",", 2)
+        if len(parts) < 3:
+            raise _scram_malformed(
+                what, "no GS2 header (expected e.g. 'n,,n=user,r=nonce' without channel binding)"
+            )
+        flag, authz, bare = parts
+        if flag.startswith("p="):
+            raise ChannelBindingNotSupported(
+                f"the {SCRAM_SHA_256} client requires channel binding ({_clip(flag[2:])}), "
+                "which this broker does not support (it offers SCRAM-SHA-256, not "
+                "SCRAM-SHA-256-PLUS); configure the client without channel binding"
+            )
+        if flag not in ("n", "y"):
+            raise _scram_malformed(
+                what, f"GS2 channel-binding flag {_clip(flag)} is not 'n', 'y' or 'p=<name>'"
+            )
+        authzid: str | None = None
+        if authz:
+            if not authz.startswith("a="):
+                raise _scram_malformed(what, f"GS2 authzid {_clip(authz)} is not 'a=<name>'")
+            authzid = _saslname(authz[2:], "authzid (a=)")
+        attributes = bare.split(",")
+        if attributes[0].startswith("m="):
+            raise AuthenticationFailed(
+                f"the {SCRAM_SHA_256} client requires a mandatory extension (m=), "
+                "which this broker does not support"
+            )
+        if not attributes[0].startswith("n="):
+            raise _scram_malformed(what, "no user name (n=) after the GS2 header")
+        user = _saslname(attributes[0][2:], "user name (n=)")
+        if len(attributes) < 2 or not attributes[1].startswith("r="):
+            raise _scram_malformed(what, "no client nonce (r=) after the user name")
+        client_nonce = attributes[1][2:]
+        _check_nonce(client_nonce)
+        _check_extensions(attributes[2:], what)  # other extensions are ignored
+        if authzid is not None and authzid != user:
+            raise AuthenticationFailed(
+                f"authentication failed for user {_clip(user)} acting as {_clip(authzid)} "
+                f"({SCRAM_SHA_256}): acting as another user is not supported"
+            )
+        self.user = user
+        self._gs2_header = f"{flag},{authz},"
+        self._client_first_bare = bare
+        self._creds, self._problem = self._auth.scram_credentials(user)
+        self._nonce = client_nonce + self._server_nonce
+        salt = base64.b64encode(self._creds.salt).decode("ascii")
+        self._server_first = f"r={self._nonce},s={salt},i={self._creds.iterations}"
+        return self._server_first.encode("ascii")
+
+    def server_final(self, client_final: bytes) -> bytes:
+        """Take the client-final message; the server-final message ("v=...") if the
+        proof is right, else AuthenticationFailed."""
+        assert self._creds is not None, "server_first must come first"
+        what = "client-final message"
+        text = _scram_text(client_final, what)
+        attributes = text.split(",")
+        if len(attributes) < 3 or not attributes[0].startswith("c="):
+            raise _scram_malformed(what, "expected 'c=<binding>,r=<nonce>,...,p=<proof>'")
+        if not attributes[1].startswith("r="):
+            raise _scram_malformed(what, "no nonce (r=) after the channel binding")
+        if not attributes[-1].startswith("p="):
+            raise _scram_malformed(what, "no proof (p=) at the end")
+        _check_extensions(attributes[2:-1], what)
+        binding = _b64_attribute(attributes[0][2:], what, "the channel binding (c=)")
+        if binding != self._gs2_header.encode("utf-8"):
+            raise AuthenticationFailed(
+                f"authentication failed for user {_clip(self.user)} ({SCRAM_SHA_256}): the "
+                "channel binding (c=) does not repeat the GS2 header of the client-first "
+                "message (channel binding is not supported)"
+            )
+        if attributes[1][2:] != self._nonce:
+            raise AuthenticationFailed(
+                f"authentication failed for user {_clip(self.user)} ({SCRAM_SHA_256}): the "
+                "nonce (r=) is not the one of this exchange (a replayed or altered message)"
+            )
+        proof = _b64_attribute(attributes[-1][2:], what, "the proof (p=)")
+        if len(proof) != 32:
+            raise _scram_malformed(what, f"the proof (p=) is {len(proof)} bytes, expected 32")
+        without_proof = text[: len(text) - len(attributes[-1]) - 1]
+        auth_message = ",".join((self._client_first_bare, self._server_first, without_proof))
+        signature = scram_verify(self._creds, auth_message.encode("utf-8"), proof)
+        if signature is None or self._problem is not None:
+            problem = self._problem or "wrong password (the client proof does not match)"
+            raise AuthenticationFailed(
+                f"authentication failed for user {_clip(self.user)} ({SCRAM_SHA_256}): {problem}"
+            )
+        return b"v=" + base64.b64encode(signature)
+
+
+def _new_server_nonce() -> str:
+    return secrets.token_urlsafe(24)  # 32 characters of [A-Za-z0-9_-]
 
 
 # --- the state machine ------------------------------------------------------------------
 
 
 class SaslServer:
-    """Server-side SASL exchange for one connection: bytes in, bytes out."""
+    """Server-side SASL exchange for one connection: bytes in, bytes out.
+
+    `tls_identity` is the subject of the client's TLS certificate, when it presented
+    one (EXTERNAL is offered only then). `scram_nonce` makes the server nonce (tests).
+    """
 
     def __init__(
-        self, auth: Authenticator, *, max_frame: int = 65536, hostname: str | None = None
+        self,
+        auth: Authenticator,
+        *,
+        max_frame: int = 65536,
+        hostname: str | None = None,
+        tls_identity: str | None = None,
+        scram_nonce: Callable[[], str] = _new_server_nonce,
     ) -> None:
         if max_frame < MIN_MAX_FRAME:
             raise ValueError(f"max_frame must be at least {MIN_MAX_FRAME}")
         self._auth = auth
         self._max_frame = max_frame
         self._hostname = hostname
+        self._tls_identity = tls_identity
+        self._scram_nonce = scram_nonce
+        self._scram: _Scram | None = None
+        self._may_block = bool(BLOCKING_MECHANISMS.intersection(auth.mechanisms(tls_identity)))
         self._state = State.AWAIT_HEADER
         self._inbuf = bytearray()
         self._output = bytearray()
@@ -352,10 +618,11 @@ class SaslServer:
         self.mechanism: str | None = None
         self.error: str | None = None
         self.client_hostname: str | None = None  # hostname field of the client's sasl-init
-        self._actions: dict[Action, Callable[[_Init | None], None]] = {
+        self._actions: dict[Action, Callable[[_Payload], State]] = {
             Action.OFFER_MECHANISMS: self._offer_mechanisms,
             Action.SKIP_SASL: self._skip_sasl,
             Action.AUTHENTICATE: self._authenticate,
+            Action.VERIFY_RESPONSE: self._verify_response,
         }
 
     # -- public surface
@@ -372,6 +639,12 @@ class SaslServer:
     def failed(self) -> bool:
         return self._state is State.FAILED
 
+    @property
+    def may_block(self) -> bool:
+        """`feed` may verify a password (a password mechanism is offered and the
+        exchange still runs): an event-loop caller should feed from a worker thread."""
+        return self._may_block and self._state in _RUNNING
+
     def feed(self, data: bytes) -> None:
         """Input from the peer. May run a password check (PBKDF2) when a sasl-init completes."""
         if self._state is State.DONE:
@@ -380,7 +653,7 @@ class SaslServer:
         if self._state is State.FAILED:
             return
         self._inbuf += data
-        while self._state in (State.AWAIT_HEADER, State.AWAIT_INIT):
+        while self._state in _RUNNING:
             try:
                 item = self._next_input()
                 if item is None:
@@ -401,16 +674,22 @@ class SaslServer:
 
     # -- the table
 
-    def _apply(self, kind: Input, payload: _Init | None) -> None:
+    def _apply(self, kind: Input, payload: _Payload) -> None:
         """Apply one input through TRANSITIONS (the only place the state changes, bar _fail)."""
         try:
-            action, next_state = TRANSITIONS[self._state, kind]
+            action, targets = TRANSITIONS[self._state, kind]
         except KeyError:
+            hint = ""
+            if kind is Input.SASL_RESPONSE and self._state is State.AWAIT_INIT:
+                hint = " (sasl-init must come first)"
+            elif self._state is State.AWAIT_RESPONSE:
+                hint = f" ({SCRAM_SHA_256} expects a sasl-response)"
             raise UnexpectedFrame(
-                f"unexpected {kind.value} in state {self._state.value}"
-                + (" (sasl-init must come first)" if kind is Input.SASL_RESPONSE else "")
+                f"unexpected {kind.value} in state {self._state.value}{hint}"
             ) from None
-        self._actions[action](payload)
+        next_state = self._actions[action](payload)
+        if next_state not in targets:  # a bug in an action, not the peer's fault
+            raise AssertionError(f"{action} led to {next_state}, not one of {targets}")
         self._state = next_state
         if next_state is State.DONE:  # the rest of the input belongs to the AMQP layer
             self._passthrough += self._inbuf
@@ -425,32 +704,38 @@ class SaslServer:
         self.error = str(exc)
         self.user = None
         self.mechanism = None
+        self._scram = None
         self._state = State.FAILED
         self._inbuf.clear()
 
-    # -- actions (raise SaslError to fail)
+    # -- actions (return the next state; raise SaslError to fail)
 
-    def _offer_mechanisms(self, _payload: _Init | None) -> None:
-        self._offered = self._auth.mechanisms()
+    def _offer_mechanisms(self, _payload: _Payload) -> State:
+        self._offered = self._auth.mechanisms(self._tls_identity)
         self._output += SASL_HEADER
         self._output += encode_mechanisms(self._offered)
         self._header_sent = True
         if not self._offered:
             raise NoMechanisms(
-                "no SASL mechanism to offer (authentication is required but no users exist)"
+                "no SASL mechanism to offer this connection: anonymous access is not "
+                "allowed (require_auth / allow_anonymous), no users with passwords are "
+                "configured, and EXTERNAL needs a TLS client certificate, which this "
+                "connection did not present"
             )
+        return State.AWAIT_INIT
 
-    def _skip_sasl(self, _payload: _Init | None) -> None:
-        if self._auth.require_auth:
+    def _skip_sasl(self, _payload: _Payload) -> State:
+        if not self._auth.anonymous_allowed:
             raise BadProtocolHeader(
                 "client sent the AMQP header without SASL, but authentication is required"
             )
         self._passthrough += AMQP_HEADER
         self.user = ANONYMOUS_USER
         self.mechanism = None
+        return State.DONE
 
-    def _authenticate(self, payload: _Init | None) -> None:
-        if payload is None:  # the parser always decodes a sasl-init
+    def _authenticate(self, payload: _Payload) -> State:
+        if not isinstance(payload, _Init):  # the parser always decodes a sasl-init
             raise MalformedFrame("sasl-init without fields")
         mech = payload.mechanism
         self.client_hostname = payload.hostname
@@ -466,15 +751,40 @@ class SaslServer:
                     f"client asked for host {_clip(payload.hostname)}, "
                     f"this broker is {self._hostname!r}"
                 )
+        if mech == SCRAM_SHA_256:
+            if payload.initial_response is None:
+                raise AuthenticationFailed(
+                    f"{SCRAM_SHA_256} without an initial response: the client-first "
+                    "message must be in the sasl-init (empty first challenges are not "
+                    "supported)"
+                )
+            scram = _Scram(self._auth, self._scram_nonce())
+            challenge = scram.server_first(payload.initial_response)
+            self._scram = scram
+            self._output += encode_challenge(challenge)
+            return State.AWAIT_RESPONSE
         if mech == "ANONYMOUS":
             user = ANONYMOUS_USER
         elif mech == "PLAIN":
             user = self._check_plain(payload.initial_response)
+        elif mech == "EXTERNAL":
+            user = self._check_external(payload.initial_response)
         else:  # offered by the Authenticator but unknown here
             raise SaslError(f"SASL mechanism {mech!r} is not implemented")
         self.user = user
         self.mechanism = mech
         self._output += encode_outcome(Outcome.OK)
+        return State.DONE
+
+    def _verify_response(self, payload: _Payload) -> State:
+        if not isinstance(payload, _Response) or self._scram is None:
+            raise MalformedFrame("sasl-response without a response")
+        server_final = self._scram.server_final(payload.response)
+        self.user = self._scram.user
+        self.mechanism = SCRAM_SHA_256
+        self._scram = None
+        self._output += encode_outcome(Outcome.OK, server_final)
+        return State.DONE
 
     def _check_plain(self, response: bytes | None) -> str:
         if response is None:
@@ -498,9 +808,32 @@ class SaslServer:
             raise AuthenticationFailed(f"authentication failed for user {who} (PLAIN)")
         return user
 
+    def _check_external(self, response: bytes | None) -> str:
+        identity = self._tls_identity
+        if identity is None:  # EXTERNAL is offered only with an identity
+            raise AuthenticationFailed("EXTERNAL without a TLS client certificate")
+        user = self._auth.tls_user(identity)
+        if user is None:
+            raise AuthenticationFailed(
+                f"TLS client certificate {_clip(identity, _MAX_SUBJECT_IN_ERROR)} is not "
+                "mapped to a user (EXTERNAL); add it to tls_identity_users "
+                '("<certificate subject>" = "<user>") or use another mechanism'
+            )
+        try:
+            authzid = (response or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            raise AuthenticationFailed("malformed EXTERNAL authzid (not UTF-8)") from None
+        if authzid and authzid != user:
+            raise AuthenticationFailed(
+                f"EXTERNAL: TLS client certificate {_clip(identity, _MAX_SUBJECT_IN_ERROR)} "
+                f"maps to user {_clip(user)}, not {_clip(authzid)} (acting as another user "
+                "is not supported)"
+            )
+        return user
+
     # -- parser
 
-    def _next_input(self) -> tuple[Input, _Init | None] | None:
+    def _next_input(self) -> tuple[Input, _Payload] | None:
         """The next complete input from the buffer (consumed), None if more bytes are needed."""
         buf = self._inbuf
         if self._state is State.AWAIT_HEADER:
@@ -512,7 +845,7 @@ class SaslServer:
             header = bytes(buf[:8])
             del buf[:8]
             return (Input.SASL_HEADER if header == SASL_HEADER else Input.AMQP_HEADER), None
-        # AWAIT_INIT: SASL frames
+        # AWAIT_INIT, AWAIT_RESPONSE: SASL frames
         if buf[:4] == _MAGIC:
             raise UnexpectedFrame("protocol header received where a SASL frame was expected")
         if len(buf) < 4:
@@ -536,6 +869,18 @@ class SaslServer:
         del buf[:size]
         if not body:
             raise MalformedFrame("empty SASL frame")
-        kind, data = _decode_body(body)
-        payload = _decode_init(data) if kind is Input.SASL_INIT else None
+        try:
+            kind, data = _decode_body(body)
+            payload: _Payload = None  # decoded only where legal: else UnexpectedFrame says why
+            if kind is Input.SASL_INIT and self._state is State.AWAIT_INIT:
+                payload = _decode_init(data)
+            elif kind is Input.SASL_RESPONSE and self._state is State.AWAIT_RESPONSE:
+                payload = _decode_response(data)
+        except UnicodeDecodeError as exc:
+            # Proton decodes symbols (ASCII) and strings (UTF-8) as they are read: a
+            # peer's bad byte must fail the exchange, not escape `feed` (fuzz-found)
+            raise MalformedFrame(
+                f"a symbol or string in the SASL frame is not valid {exc.encoding} "
+                f"({exc.reason} at byte {exc.start})"
+            ) from None
         return kind, payload

@@ -43,8 +43,14 @@ import trio
 
 START_TIMEOUT = 20.0
 STOP_TIMEOUT = 15.0
-LISTENING_RE = re.compile(r"^amqbroker \S+ listening on amqp://127\.0\.0\.1:(\d+)\s*$")
-DATA_DIR_RE = re.compile(r"^data directory: (.+?)\s*$")
+#: the start banner: one log line on stderr ("... INFO amqbroker: amqbroker V listening
+#: on amqp://H:P[, ...]; data in DIR (N queue(s), M message(s) recovered)")
+LISTENING_RE = re.compile(
+    r"INFO amqbroker: amqbroker \S+ listening on amqp://127\.0\.0\.1:(\d+)[,;]"
+)
+DATA_DIR_RE = re.compile(
+    r"INFO amqbroker: amqbroker \S+ listening on .*?; data in (.+) \(\d+ queue\(s\), \d+ message"
+)
 
 
 class BrokerProcessError(AssertionError):
@@ -145,12 +151,12 @@ class BrokerProcess:
         return self.proc.returncode is None
 
     async def wait_ready(self, timeout: float = START_TIMEOUT) -> int:
-        """Wait for the "listening on" and "data directory" lines; returns the port.
+        """Wait for the start banner (port and data directory); returns the port.
         Fails with the output if the process exits first."""
         with trio.move_on_after(timeout) as scope:
-            m = await self.wait_for_line(LISTENING_RE, stream="stdout", timeout=timeout)
+            m = await self.wait_for_line(LISTENING_RE, timeout=timeout)
             self.port = int(m.group(1))
-            m = await self.wait_for_line(DATA_DIR_RE, stream="stdout", timeout=timeout)
+            m = await self.wait_for_line(DATA_DIR_RE, timeout=timeout)
             self.data_dir = Path(m.group(1))
         if scope.cancelled_caught:
             raise BrokerProcessError(f"not ready within {timeout} s\n{self.describe()}")

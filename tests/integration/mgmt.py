@@ -29,7 +29,7 @@ class Answer:
 
     @property
     def ok(self) -> bool:
-        return self.status == 200
+        return self.status is not None and 200 <= self.status < 300
 
 
 async def request(
@@ -39,6 +39,7 @@ async def request(
     *,
     type: str = "queue",
     timeout: float = DEFAULT_TIMEOUT,
+    body: Any = None,
     **extra: Any,
 ) -> Answer:
     """Send one management request and return the whole answer (any status)."""
@@ -46,10 +47,14 @@ async def request(
     reply_to = reply.address
     assert reply_to, "the broker gave the dynamic reply receiver no address"
     sender = await client.sender("$management")
-    props: dict[str, Any] = {"operation": operation, "type": type, "name": name}
+    props: dict[str, Any] = {"operation": operation, "type": type}
+    if name:
+        props["name"] = name
     props.update(extra)
     rid = f"mgmt-{next(_ids)}"
-    await sender.send(Message(id=rid, reply_to=reply_to, properties=props), timeout=timeout)
+    await sender.send(
+        Message(id=rid, reply_to=reply_to, properties=props, body=body), timeout=timeout
+    )
     got = await reply.receive(timeout)
     reply.accept(got)
     answer_props = got.properties
@@ -65,8 +70,10 @@ async def request(
     return answer
 
 
-async def call(client: Client, operation: str, name: str = "", **kw: Any) -> Any:
-    """Like `request`, but asserts status 200 and returns the body."""
+async def call(
+    client: Client, operation: str, name: str = "", *, expect: int = 200, **kw: Any
+) -> Any:
+    """Like `request`, but asserts the status (200 unless `expect`) and returns the body."""
     answer = await request(client, operation, name, **kw)
-    assert answer.status == 200, (operation, name, answer.status, answer.description)
+    assert answer.status == expect, (operation, name, answer.status, answer.description)
     return answer.body

@@ -1,22 +1,29 @@
-"""The CLI and the settings end to end: `python -m amqbroker run` as a real process."""
+"""The CLI end to end: `python -m amqbroker run` as a real process (settings, signals),
+`amqbroker create` instance folders, and every operator command (check, queue,
+address, groups, producer/consumer/browser, config show) against a real broker."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import json
 import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
+from click.testing import CliRunner, Result
 
+from amqbroker.app import BrokerApp
 from tests.client import Client
+from tests.conftest import ClientFactory
 from tests.integration.broker_process import BrokerProcess, BrokerProcesses, clean_env
+from tests.integration.groups_helpers import msg, queue_of, until
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = REPO / "config" / "amqbroker.toml"
@@ -52,7 +59,7 @@ async def _fails_to_start(procs: BrokerProcesses, args: list[str], **kw: object)
     rc = await bp.wait_exit(timeout=20)
     assert rc != 0, f"expected a non-zero exit status\n{bp.describe()}"
     assert rc > 0, f"exited by a signal, not by an error\n{bp.describe()}"
-    assert "listening on" not in bp.stdout, bp.describe()
+    assert "listening on" not in bp.stderr, bp.describe()
     assert "Traceback" not in bp.stderr, f"a traceback instead of a message\n{bp.describe()}"
     return bp
 
@@ -67,7 +74,7 @@ async def test_run_with_defaults_creates_data_dir_and_prints_where(
     assert not data.exists()
     bp = await procs.start(None)  # only --port 0: everything else embedded defaults
     assert data.is_dir(), "the default data directory was not created"
-    assert f"data directory: {data}" in bp.stdout, bp.describe()
+    assert f"; data in {data} (" in bp.stderr, bp.describe()
     await _ping(bp.port, nursery)
     assert await bp.stop() == 0, bp.describe()
 
@@ -87,7 +94,7 @@ async def test_run_without_any_option_listens_on_5672(
     bp = await procs.spawn(["run"])
     port = await bp.wait_ready()
     assert port == 5672
-    assert f"data directory: {tmp_path / 'amqbroker-data'}" in bp.stdout
+    assert f"; data in {tmp_path / 'amqbroker-data'} (" in bp.stderr
     await _ping(port, nursery)
     assert await bp.stop() == 0, bp.describe()
 
@@ -98,7 +105,7 @@ async def test_nested_data_dir_is_created(
     data = tmp_path / "a" / "b" / "store"
     bp = await procs.start(data)
     assert data.is_dir()
-    assert f"data directory: {data}" in bp.stdout
+    assert f"; data in {data} (" in bp.stderr
     await _ping(bp.port, nursery)
     assert await bp.stop() == 0, bp.describe()
 
@@ -122,7 +129,7 @@ async def test_example_config_file_works(
     its data_dir ("amqbroker-data") is relative to the working directory."""
     bp = await procs.start(None, args=["--config", str(EXAMPLE_CONFIG)])
     assert (tmp_path / "amqbroker-data").is_dir()
-    assert f"data directory: {tmp_path / 'amqbroker-data'}" in bp.stdout
+    assert f"; data in {tmp_path / 'amqbroker-data'} (" in bp.stderr
     await _ping(bp.port, nursery)
     assert await bp.stop() == 0, bp.describe()
 
@@ -137,7 +144,7 @@ async def test_config_from_environment_variable_and_precedence(
 
     bp = await procs.spawn(["run"], env={"AMQBROKER_CONFIG": str(cfg)})
     await bp.wait_ready()
-    assert f"data directory: {tmp_path / 'from-file'}" in bp.stdout, bp.describe()
+    assert f"; data in {tmp_path / 'from-file'} (" in bp.stderr, bp.describe()
     await _ping(bp.port, nursery)
     assert " DEBUG " in bp.stderr, f"log_level from the file was not applied\n{bp.describe()}"
     assert await bp.stop() == 0, bp.describe()
@@ -146,7 +153,7 @@ async def test_config_from_environment_variable_and_precedence(
         ["run", "--config", str(cfg)], env={"AMQBROKER_DATA_DIR": str(tmp_path / "from-env")}
     )
     await bp.wait_ready()
-    assert f"data directory: {tmp_path / 'from-env'}" in bp.stdout, bp.describe()
+    assert f"; data in {tmp_path / 'from-env'} (" in bp.stderr, bp.describe()
     await _ping(bp.port, nursery)
     assert await bp.stop() == 0, bp.describe()
 
@@ -155,7 +162,7 @@ async def test_config_from_environment_variable_and_precedence(
         env={"AMQBROKER_DATA_DIR": str(tmp_path / "from-env")},
     )
     await bp.wait_ready()
-    assert f"data directory: {tmp_path / 'from-cli'}" in bp.stdout, bp.describe()
+    assert f"; data in {tmp_path / 'from-cli'} (" in bp.stderr, bp.describe()
     await _ping(bp.port, nursery)
     assert await bp.stop() == 0, bp.describe()
 
@@ -295,35 +302,327 @@ async def test_signal_stops_with_exit_0(
 async def test_signal_right_after_ready_is_graceful(
     procs: BrokerProcesses, tmp_path: Path, sig: signal.Signals
 ) -> None:
-    """A supervisor may stop the broker as soon as it reported ready. Made deterministic
-    by giving the broker a full pipe as stdout: it logs "listening on" (stderr), then
-    blocks printing its ready lines; the signal arrives exactly there. A broker that
-    handles signals from the moment it reports ready stops gracefully (exit 0) once
-    the pipe is drained."""
-    r, w = os.pipe()
-    try:
-        os.set_blocking(w, False)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                os.write(w, b"." * 4096)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                os.write(w, b".")
-        os.set_blocking(w, True)
-        bp = await procs.spawn(["run", "--port", "0", "--data-dir", str(tmp_path / "d")], stdout=w)
-    finally:
-        os.close(w)
-    reader = trio.lowlevel.FdStream(r)
-    try:
-        await bp.wait_for_line(r"INFO amqbroker: amqbroker \S+ listening on", timeout=20)
-        bp.send_signal(sig)
-        out = b""
-        with trio.fail_after(20):
-            while chunk := await reader.receive_some(65536):
-                out += chunk
-    finally:
-        await reader.aclose()
+    """A supervisor may stop the broker as soon as it reported ready: its start banner
+    is logged after the signal handler is installed, so a signal sent the instant the
+    banner appears stops it gracefully (exit 0)."""
+    bp = await procs.spawn(["run", "--port", "0", "--data-dir", str(tmp_path / "d")])
+    await bp.wait_for_line(r"INFO amqbroker: amqbroker \S+ listening on", timeout=20)
+    bp.send_signal(sig)
     rc = await bp.wait_exit()
     assert rc == 0, f"exit status {rc} after {sig.name} right after start-up\n{bp.describe()}"
     assert f"received {sig.name}" in bp.stderr, bp.describe()
-    assert b"listening on" in out
+
+
+async def test_start_banner_once(procs: BrokerProcesses, tmp_path: Path) -> None:
+    """The start banner is one log line (stderr), not repeated as plain output: every
+    event is one line, and stdout stays empty."""
+    bp = await procs.start(tmp_path / "d")
+    await bp.stop()
+    banners = [line for line in bp.stderr_lines if "listening on" in line]
+    assert len(banners) == 1, bp.describe()
+    assert " INFO amqbroker: amqbroker " in banners[0], bp.describe()
+    assert f"; data in {tmp_path / 'd'} (" in banners[0], bp.describe()
+    assert not [line for line in bp.stdout_lines if line.strip()], bp.describe()
+
+
+# ============================================================ operating a running broker
+#
+# The CLI runs in-process (click's CliRunner) on a worker thread, against the
+# in-process broker of the `broker` fixture on trio's thread: real sockets and the
+# real management node. No autojump clock here: the broker must keep real time while
+# the blocking client waits for it.
+
+
+async def _cli(*args: str, env: dict[str, str | None] | None = None) -> Result:
+    from amqbroker.cli import main
+
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("AMQBROKER_")}
+    runner = CliRunner()
+    return await trio.to_thread.run_sync(
+        lambda: runner.invoke(main, list(args), env={**unset, **(env or {})})
+    )
+
+
+def _url(app: BrokerApp) -> str:
+    return f"amqp://127.0.0.1:{app.listening[0][1]}"
+
+
+def _ok(r: Result) -> str:
+    assert r.exit_code == 0, (r.exit_code, r.output, r.exception)
+    return r.stdout
+
+
+async def test_queue_and_address_commands(broker: BrokerApp) -> None:
+    url = _url(broker)
+    b = broker.broker
+    assert b is not None
+    out = _ok(await _cli("queue", "create", "orders", "--group-buckets", "4", "--url", url))
+    assert out == "created queue 'orders' on address 'orders' (ANYCAST, durable)\n"
+    assert b.queues["orders"].policy.group_buckets == 4
+    again = await _cli("queue", "create", "orders", "--url", url)
+    assert again.exit_code == 1
+    assert "the broker refused CREATE (409): queue 'orders' exists already" in again.stderr
+
+    # the URL from the environment, like every connection option
+    env = {"AMQBROKER_URL": url}
+    _ok(await _cli("producer", "orders", "--count", "30", "--group", "A", env=env))
+    _ok(await _cli("producer", "orders", "--count", "5", "--durable", env=env))
+    table = _ok(await _cli("queue", "stat", env=env)).splitlines()
+    assert table[0].split() == [
+        "NAME", "ADDRESS", "CONSUMERS", "MESSAGES", "ADDED", "DELIVERING", "ACKED",
+        "SCHEDULED", "GROUPS",
+    ]  # fmt: skip
+    assert table[1].split() == ["orders", "orders", "0", "35", "35", "0", "0", "0", "0"]
+    assert len(table) == 2  # the CLI's own reply queue (temporary) is not listed
+    rows = json.loads(_ok(await _cli("queue", "stat", "--json", "--all", env=env)))
+    mine = [r for r in rows if r["name"] == "orders"]
+    assert mine == [
+        {
+            "name": "orders",
+            "address": "orders",
+            "consumerCount": 0,
+            "messageCount": 35,
+            "messagesAdded": 35,
+            "deliveringCount": 0,
+            "messagesAcknowledged": 0,
+            "scheduledCount": 0,
+            "groupCount": 0,
+        }
+    ]
+    assert any(r["name"].startswith("tmp.") for r in rows)  # --all shows reply queues
+    looped = _ok(await _cli("queue", "stat", "--loop", "0.1", "--iterations", "2", env=env))
+    assert looped.count("NAME  ") == 2 and looped.count(url) == 2
+    lines = _ok(
+        await _cli("queue", "stat", "--json", "--loop", "0.1", "--iterations", "2", env=env)
+    )
+    assert [len(json.loads(ln)) for ln in lines.splitlines()] == [1, 1]  # JSON lines
+
+    assert _ok(await _cli("queue", "pause", "orders", env=env)) == "queue 'orders' paused\n"
+    assert b.queues["orders"].paused
+    _ok(await _cli("queue", "resume", "orders", env=env))
+    assert not b.queues["orders"].paused
+    upd = _ok(
+        await _cli("queue", "update", "orders", "--exclusive", "--group-buckets", "-1", env=env)
+    )
+    assert upd == "queue 'orders' updated: exclusive=true, groupBuckets=-1\n"
+    assert b.queues["orders"].policy.exclusive
+    show = json.loads(_ok(await _cli("queue", "show", "orders", "--json", env=env)))
+    assert (show["messageCount"], show["exclusive"], show["groupBuckets"]) == (35, True, -1)
+    shown = _ok(await _cli("queue", "show", "orders", env=env)).splitlines()
+    assert ["messageCount", "35"] in [line.split() for line in shown]
+    assert _ok(await _cli("queue", "purge", "orders", env=env)) == (
+        "queue 'orders': 35 message(s) removed\n"
+    )
+    assert _ok(await _cli("queue", "delete", "orders", env=env)) == "deleted queue 'orders'\n"
+    assert "orders" not in b.queues
+    missing = await _cli("queue", "purge", "orders", env=env)
+    assert missing.exit_code == 1 and "(404): no queue 'orders'" in missing.stderr
+
+    _ok(await _cli("address", "create", "news", "--routing", "multicast", env=env))
+    _ok(await _cli("queue", "create", "audit", "--address", "news", env=env))
+    addrs = _ok(await _cli("address", "show", env=env)).splitlines()
+    assert addrs[0].split() == [
+        "NAME",
+        "ROUTING",
+        "QUEUES",
+        "PRODUCERS",
+        "MESSAGES",
+        "SIZE",
+        "FULL",
+    ]
+    assert addrs[1].split() == ["news", "MULTICAST", "1", "0", "0", "0", "no"]
+    one = json.loads(_ok(await _cli("address", "show", "news", "--json", env=env)))
+    assert (one["routingType"], one["queueNames"]) == ("MULTICAST", ["audit"])
+    _ok(await _cli("address", "delete", "news", env=env))
+    assert "news" not in b.addresses and "audit" not in b.queues
+    usage = await _cli("queue", "update", "x", env=env)
+    assert usage.exit_code == 2 and "give at least one option" in usage.stderr
+
+
+async def test_check_exit_codes(broker: BrokerApp, client: ClientFactory) -> None:
+    url = _url(broker)
+    node = await _cli("check", "node", "--url", url)
+    assert node.exit_code == 0 and node.stdout.startswith("OK: amqbroker "), node.output
+    assert len(node.stdout.splitlines()) == 1
+    c = await client(broker)
+    s = await c.sender("jobs")
+    await s.send_many([msg(f"j{i}") for i in range(3)])
+    ok = await _cli("check", "queue", "jobs", "--max-messages", "3", "--url", url)
+    assert ok.exit_code == 0, ok.output
+    assert ok.stdout.startswith("OK: queue 'jobs': 3 message(s), 0 consumer(s), oldest ")
+    bad = await _cli(
+        "check", "queue", "jobs", "--max-messages", "2", "--min-consumers", "1", "--url", url
+    )
+    assert bad.exit_code == 1
+    assert bad.stdout == (
+        "FAIL: queue 'jobs': 3 messages > 2 (--max-messages); 0 consumers < 1 (--min-consumers)\n"
+    )
+    r = await c.receiver("jobs", credit=0)
+    await until_consumers(broker, "jobs", 1)
+    assert (
+        await _cli("check", "queue", "jobs", "--min-consumers", "1", "--url", url)
+    ).exit_code == 0
+    none = await _cli("check", "queue", "nope", "--url", url)
+    assert none.exit_code == 1 and none.stdout.startswith("FAIL: queue 'nope': no queue 'nope'")
+    await r.close()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    down = await _cli("check", "node", env={"AMQBROKER_URL": f"amqp://127.0.0.1:{free}"})
+    assert down.exit_code == 2, down.output
+    assert down.stderr.startswith(f"Error: cannot connect to amqp://127.0.0.1:{free}: ")
+    assert down.stderr.rstrip().endswith("is the broker running? (amqbroker run)")
+    assert len(down.stderr.splitlines()) == 1
+
+
+async def until_consumers(app: BrokerApp, queue: str, n: int) -> None:
+    assert app.broker is not None
+    q = app.broker.queues[queue]
+    with trio.fail_after(5):
+        for _ in range(5000):  # polled: the attach arrives on another connection
+            if q.consumer_count == n:
+                return
+            await trio.sleep(0.001)
+
+
+async def test_groups_list_top_and_reset(broker: BrokerApp, client: ClientFactory) -> None:
+    url = _url(broker)
+    c = await client(broker, container="app")
+    r1 = await c.receiver("orders", credit=1, name="w1")
+    await c.receiver("orders", credit=10, name="w2")
+    s = await c.sender("orders")
+    await s.send_many([msg("A1", "A"), msg("B1", "B"), msg("A2", "A"), msg("A3", "A")])
+    a1 = await r1.receive()
+    await until(broker, "orders", "in_flight", 2)
+    out = _ok(await _cli("groups", "list", "orders", "--url", url)).splitlines()
+    assert out[0].split() == [
+        "GROUP", "OWNER", "CONNECTION", "BACKLOG", "IN", "FLIGHT", "OLDEST", "BOUND", "SINCE",
+        "STATE",
+    ]  # fmt: skip
+    by = {line.split()[0]: line.split() for line in out[1:]}
+    assert by["A"][1:5] == ["w1", "c1", "2", "1"] and by["A"][-1] == "blocked"
+    assert by["B"][1:5] == ["w2", "c1", "0", "1"]
+    top = json.loads(
+        _ok(await _cli("groups", "list", "orders", "--top", "1", "--json", "--url", url))
+    )
+    assert [(g["group"], g["backlog"], g["inFlight"]) for g in top] == [("A", 2, 1)]
+    assert isinstance(top[0]["oldestMessageAge"], int)
+    assert _ok(await _cli("groups", "count", "orders", "--url", url)) == "2\n"
+    one = _ok(await _cli("groups", "reset", "orders", "B", "--url", url))
+    assert one == "queue 'orders': group 'B' unbound\n"
+    old_form = _ok(await _cli("groups", "reset", "--queue", "orders", "--group", "Z", "--url", url))
+    assert old_form == "queue 'orders': group 'Z' was not bound\n"
+    assert [g["group"] for g in queue_of(broker, "orders").list_groups()] == ["A"]
+    everything = _ok(await _cli("groups", "reset", "orders", "--url", url))
+    assert everything == "queue 'orders': 1 group binding(s) removed\n"
+    no_queue = await _cli("groups", "list", "--url", url)
+    assert no_queue.exit_code == 2 and "name the queue" in no_queue.stderr
+    r1.accept(a1)
+
+
+async def test_producer_browser_consumer(broker: BrokerApp) -> None:
+    env = {"AMQBROKER_URL": _url(broker)}
+    sent = await _cli(
+        "producer", "work", "--count", "4", "--group", "G", "--group-seq", "10",
+        "--properties", '{"region": "eu", "n": 3}', "--message", "job {n}", "--durable",
+        "--progress", env=env,
+    )  # fmt: skip
+    assert _ok(sent) == "sent 4 message(s) to 'work'\n"
+    assert "sending to work" in sent.stderr and "4/4" in sent.stderr  # the progress bar
+    _ok(await _cli("producer", "work", "--count", "2", env=env))
+    assert "sending" not in (await _cli("producer", "work", env=env)).stderr  # no TTY: no bar
+
+    browsed = _ok(await _cli("browser", "work", "--json", "--timeout", "0.5", env=env))
+    got = [json.loads(line) for line in browsed.splitlines()]
+    assert [m["body"] for m in got] == [
+        "job 0", "job 1", "job 2", "job 3", "message 0", "message 1", "message 0",
+    ]  # fmt: skip
+    assert (got[0]["group"], got[0]["groupSeq"], got[0]["durable"]) == ("G", 10, True)
+    assert got[3]["groupSeq"] == 13 and got[0]["properties"] == {"region": "eu", "n": 3}
+    assert queue_of(broker, "work").count == 7  # browsing takes nothing
+
+    text = _ok(await _cli("consumer", "work", "--group", "G", "--count", "2", env=env))
+    assert text.splitlines() == [
+        '[G#10] job 0 {"region": "eu", "n": 3}',
+        '[G#11] job 1 {"region": "eu", "n": 3}',
+    ]
+    rest = await _cli("consumer", "work", "--quiet", "--timeout", "0.5", env=env)
+    assert _ok(rest) == "received 5 message(s) from 'work'\n"
+    assert broker.broker is not None
+    left = broker.broker.queues.get("work")  # an auto-created queue goes once empty
+    assert left is None or left.count == 0
+
+    bad = await _cli("producer", "work", "--properties", "[1]", env=env)
+    assert bad.exit_code == 2 and "--properties must be a JSON object" in bad.stderr
+
+
+async def test_config_show_names_sources_and_masks_secrets(tmp_path: Path) -> None:
+    from amqbroker.core.auth import hash_password
+
+    secret = hash_password("pw", iterations=1000)
+    cfg = tmp_path / "b.toml"
+    cfg.write_text(f'port = 5673\ntls_key_file = "/etc/k.pem"\n[users]\nalice = "{secret}"\n')
+    r = await _cli("config", "show", "--config", str(cfg), env={"AMQBROKER_LOG_LEVEL": "debug"})
+    out = _ok(r)
+    assert secret not in out
+    lines = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:]}
+    assert out.splitlines()[0].split() == ["SETTING", "VALUE", "SOURCE"]
+    assert lines["port"] == ["port", "5673", "file", str(cfg)]
+    assert lines["log_level"] == ["log_level", '"DEBUG"', "env", "AMQBROKER_LOG_LEVEL"]
+    assert lines["host"] == ["host", '"127.0.0.1"', "default"]
+    assert lines["users.alice"] == ["users.alice", '"<hidden>"', "file", str(cfg)]
+    assert lines["tls_key_file"][1] == '"/etc/k.pem"'  # a path is not a secret
+    rows = json.loads(_ok(await _cli("config", "show", "--config", str(cfg), "--json")))
+    by = {row["name"]: row for row in rows}
+    assert by["users.alice"] == {
+        "name": "users.alice",
+        "value": "<hidden>",
+        "source": f"file {cfg}",
+    }
+    assert by["max_frame_size"] == {"name": "max_frame_size", "value": 65536, "source": "default"}
+    assert secret not in json.dumps(rows)
+    broken = await _cli("config", "show", "--config", str(cfg), env={"AMQBROKER_PORT": "x"})
+    assert broken.exit_code == 1 and "AMQBROKER_PORT" in broken.stderr
+
+
+async def test_create_makes_an_instance_whose_start_script_runs_the_broker(
+    procs: BrokerProcesses, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    inst = tmp_path / "broker1"
+    out = _ok(await _cli("create", str(inst), "--port", "0"))
+    assert f"created amqbroker instance {inst}" in out
+    config = (inst / "etc" / "amqbroker.toml").read_text()
+    assert 'data_dir = "data"' in config and "# max_frame_size = 65536" in config
+    script = inst / "bin" / "amqbroker"
+    assert os.access(script, os.X_OK) and (inst / "data").is_dir()
+    again = await _cli("create", str(inst))
+    assert again.exit_code == 1 and "already an amqbroker instance" in again.stderr
+
+    # started from elsewhere: the data directory is the instance's
+    proc = await trio.lowlevel.open_process(
+        [str(script)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_env(),
+        cwd=str(tmp_path),
+    )
+    bp = BrokerProcess(proc, [str(script)])
+    procs.started.append(bp)
+    assert proc.stdout is not None and proc.stderr is not None
+    nursery.start_soon(bp._pump, proc.stdout, bp.stdout_lines)
+    nursery.start_soon(bp._pump, proc.stderr, bp.stderr_lines)
+    port = await bp.wait_ready()
+    assert bp.data_dir is not None and bp.data_dir.resolve() == (inst / "data").resolve()
+    await _ping(port, nursery)
+    check = await _cli("check", "node", "--url", f"amqp://127.0.0.1:{port}")
+    assert check.exit_code == 0, check.output
+    assert await bp.stop() == 0, bp.describe()
+    assert (inst / "data" / "journal").exists()
+    assert not (tmp_path / "amqbroker-data").exists()
+
+    not_instance = await _cli("run", str(tmp_path))
+    assert not_instance.exit_code == 1
+    assert "is not an amqbroker instance (no etc/amqbroker.toml); create one with" in (
+        not_instance.stderr
+    )

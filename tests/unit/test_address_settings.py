@@ -81,7 +81,7 @@ def test_artemis_kebab_names_and_value_spellings_are_accepted() -> None:
         ({"max_delivery_attempts": True}, "not true/false"),
         ({"max_size_bytes": -5}, "-1 (unlimited) or at least 1"),
         ({"default_group_buckets": -2}, "-1 or at least 0"),
-        ({"address_full_policy": "PAGE"}, "not supported"),
+        ({"address_full_policy": "DROP"}, "not supported"),
         ({"default_routing_type": "broadcast"}, "anycast"),
         ({"dead_letter_address": "dlq.#"}, "no '*', '#' or '?'"),
         ({"redelivery_delay": -1}, "greater than or equal to 0"),

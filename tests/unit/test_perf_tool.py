@@ -1,35 +1,26 @@
-"""scripts/perf.py: its pure parts, and one short end-to-end run against a real broker.
+"""The load client (amqbroker.tools.perf, also scripts/perf.py and `amqbroker perf`): its
+pure parts, and short end-to-end runs against a real broker through the scripts/perf.py
+wrapper and the `amqbroker perf` verb.
 
 Nothing here measures or asserts a time: the benchmark's figures are never tested.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from proton import Message
 
+from amqbroker.tools import perf
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "perf.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("amqbroker_perf_tool", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-perf = _load()
 
 
 # ------------------------------------------------------------------------ arguments
@@ -295,3 +286,75 @@ def test_end_to_end_selector_and_transactions() -> None:
     )
     row = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("{")))
     assert (p.returncode, row["received"], row["missing"]) == (1, 200, 200)
+
+
+# ------------------------------------------------------------------ amqbroker perf
+
+
+def test_url_gives_host_port_and_credentials() -> None:
+    assert perf.url_defaults("amqp://bob:s%40cret@example.org:5673") == {
+        "host": "example.org",
+        "port": 5673,
+        "user": "bob",
+        "password": "s@cret",
+    }
+    assert perf.url_defaults("127.0.0.1") == {"host": "127.0.0.1", "port": 5672}
+    with pytest.raises(ValueError, match="plain AMQP"):
+        perf.url_defaults("amqps://h:5671")
+    # explicit options win over the URL's defaults
+    args = perf.parse_args(["--port", "7000"], defaults=perf.url_defaults("amqp://h:6000"))
+    assert (args.host, args.port) == ("h", 7000)
+
+
+def test_progress_line_is_redrawn_and_erased() -> None:
+    out = io.StringIO()
+    p = perf.Progress(True, stream=out, period=0.0)
+    p.update("A run 1", 0, 200)
+    p.update("A run 1", 100, 200)
+    p.clear()
+    text = out.getvalue()
+    assert "A run 1:  50% 100/200 messages" in text
+    assert text.endswith("\r") and text.count("\r") == 4  # two lines drawn, one erased
+    silent = io.StringIO()
+    perf.Progress(False, stream=silent).update("x", 1, 2)
+    assert silent.getvalue() == ""
+
+
+def test_amqbroker_perf_verb_runs_and_prints_the_summary_table() -> None:
+    """`amqbroker perf` is the same client: one short run against a broker it starts,
+    live progress forced on (stderr is a pipe here), the summary table after one run."""
+    exe = Path(sys.executable).with_name("amqbroker")
+    p = subprocess.run(
+        [
+            *(str(exe), "perf", "--start-broker", "--runs", "1", "--warmup", "0"),
+            *("--count", "1000", "--groups", "10", "--consumers", "2", "--timeout", "60"),
+            "--progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("AMQBROKER_")},
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "| broker | scenario | runs | msgs/s (median)" in p.stdout, p.stdout
+    assert "| amqbroker | custom | 1 |" in p.stdout and "| ok |" in p.stdout, p.stdout
+    assert "messages," in p.stderr and "msgs/s" in p.stderr, p.stderr  # the live line
+
+
+def test_amqbroker_perf_help_and_unreachable_broker() -> None:
+    exe = Path(sys.executable).with_name("amqbroker")
+    h = subprocess.run([str(exe), "perf", "--help"], capture_output=True, text=True, check=False)
+    assert h.returncode == 0 and "usage: amqbroker perf" in h.stdout and "--scenario" in h.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    p = subprocess.run(
+        [str(exe), "perf", "--url", f"amqp://127.0.0.1:{free}", "--warmup", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"amqbroker perf: cannot connect to 127.0.0.1:{free}" in p.stderr

@@ -6,17 +6,21 @@ sasl() is never called, exactly as the broker wires it.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import proton
 import pytest
+import scramp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from proton import Collector, Connection, Event, Transport
 
-from amqbroker.core.auth import Authenticator, hash_password
+from amqbroker.core.auth import Authenticator, hash_password, hash_password_scram
 from amqbroker.protocol.sasl import (
     AMQP_HEADER,
     SASL_HEADER,
@@ -108,7 +112,9 @@ def decode_frames(data: bytes) -> tuple[bytes | None, list[tuple[int, list[Any]]
         d.enter()
         fields: list[Any] = []
         while d.next() is not None:
-            fields.append(d.get_object())
+            value = d.get_object()
+            # a binary is a view into the Data's memory, which goes away with it
+            fields.append(bytes(value) if isinstance(value, memoryview) else value)
         frames.append((int(descriptor), fields))
         data = data[size:]
     return header, frames
@@ -773,8 +779,17 @@ def test_transition_table_shape() -> None:
         (State.AWAIT_HEADER, Input.SASL_HEADER),
         (State.AWAIT_HEADER, Input.AMQP_HEADER),
         (State.AWAIT_INIT, Input.SASL_INIT),
+        (State.AWAIT_RESPONSE, Input.SASL_RESPONSE),
     }
-    assert all(target in (State.AWAIT_INIT, State.DONE) for _, target in TRANSITIONS.values())
+    order = [State.AWAIT_HEADER, State.AWAIT_INIT, State.AWAIT_RESPONSE, State.DONE]
+    for (state, _), (_, targets) in TRANSITIONS.items():
+        assert targets, state
+        # the state only moves forward; FAILED is reached only through errors
+        assert all(order.index(t) > order.index(state) for t in targets)
+    assert TRANSITIONS[State.AWAIT_INIT, Input.SASL_INIT][1] == (
+        State.DONE,
+        State.AWAIT_RESPONSE,
+    )
 
 
 # --- properties ---------------------------------------------------------------------------
@@ -833,3 +848,575 @@ def test_any_input_any_chunking(stream: bytes, cuts: list[int], lax_auth: bool) 
         assert passthrough == b""
     if output:
         assert output.startswith(SASL_HEADER) and output.count(SASL_HEADER) == 1
+
+
+# --- SCRAM-SHA-256 ------------------------------------------------------------------------
+#
+# RFC 7677 section 3 test vector: user "user", password "pencil", salt and iteration
+# count below, client nonce "rOprNGfwEbeRWgbNEkqO", server nonce
+# "%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0".
+
+RFC_SALT = base64.b64decode("W22ZaJ0SNY7soEsUEjb6gQ==")
+RFC_CLIENT_FIRST = b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO"
+RFC_SERVER_NONCE = "%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0"
+RFC_SERVER_FIRST = (
+    b"r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096"
+)
+RFC_CLIENT_FINAL = (
+    b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
+    b"p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ="
+)
+RFC_SERVER_FINAL = b"v=6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4="
+SCRAM = "SCRAM-SHA-256"
+SCRAM_ITERATIONS = 4096  # the RFC 7677 minimum keeps these tests fast
+NONCE = "S3rv3rN0nc3-fixed-for-tests"
+
+SCRAM_USERS = {
+    "user": hash_password_scram("pencil", iterations=4096, salt=RFC_SALT),
+    "bob": hash_password_scram(PASSWORD, iterations=SCRAM_ITERATIONS),
+    "a,b=c": hash_password_scram("comma", iterations=SCRAM_ITERATIONS),
+    "carol": hash_password("carol-pw", iterations=1_000),  # pbkdf2: PLAIN only
+}
+
+
+@pytest.fixture
+def scram_auth() -> Authenticator:
+    return Authenticator(SCRAM_USERS, require_auth=True)
+
+
+def response_frame(response: bytes) -> bytes:
+    return sasl_frame(described_list(0x43, ("binary", response)))
+
+
+def scram_server(auth: Authenticator, nonce: str = NONCE, **kw: Any) -> SaslServer:
+    return SaslServer(auth, scram_nonce=lambda: nonce, **kw)
+
+
+def frame_fields(output: bytes, descriptor: int) -> list[Any]:
+    _, frames = decode_frames(output)
+    matching = [fields for d, fields in frames if d == descriptor]
+    assert len(matching) == 1, frames
+    return matching[0]
+
+
+def challenge_of(output: bytes) -> bytes:
+    return bytes(frame_fields(output, 0x42)[0])
+
+
+def client_final(
+    password: str,
+    client_first: bytes,
+    server_first: bytes,
+    gs2: bytes = b"n,,",
+    extensions: bytes = b"",
+) -> bytes:
+    """An independent SCRAM-SHA-256 client final step (RFC 5802 section 3), for
+    messages scramp will not produce (GS2 flag "y", an authzid, extensions)."""
+    attrs = dict(part.split("=", 1) for part in server_first.decode().split(","))
+    salted = hashlib.pbkdf2_hmac(
+        "sha256", password.encode(), base64.b64decode(attrs["s"]), int(attrs["i"])
+    )
+    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
+    stored_key = hashlib.sha256(client_key).digest()
+    without_proof = b"c=" + base64.b64encode(gs2) + b",r=" + attrs["r"].encode() + extensions
+    bare = client_first[len(gs2) :]
+    auth_message = bare + b"," + server_first + b"," + without_proof
+    signature = hmac.new(stored_key, auth_message, "sha256").digest()
+    proof = bytes(a ^ b for a, b in zip(client_key, signature, strict=True))
+    return without_proof + b",p=" + base64.b64encode(proof)
+
+
+def test_scram_rfc7677_vector(scram_auth: Authenticator) -> None:
+    server = scram_server(scram_auth, RFC_SERVER_NONCE)
+    server.feed(SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST))
+    assert server.state is State.AWAIT_RESPONSE
+    output = server.take_output()
+    assert [str(m) for m in frame_fields(output, 0x40)[0]] == [SCRAM, "PLAIN"]
+    assert challenge_of(output) == RFC_SERVER_FIRST
+    assert server.user is None and server.mechanism is None
+    server.feed(response_frame(RFC_CLIENT_FINAL) + AMQP_HEADER + b"open")
+    assert server.done
+    assert (server.user, server.mechanism) == ("user", SCRAM)
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.OK, RFC_SERVER_FINAL]
+    assert server.take_passthrough() == AMQP_HEADER + b"open"
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_scram_with_scramp_client(scram_auth: Authenticator, chunk: int | None) -> None:
+    """An independent client implementation (scramp), fed in any chunking."""
+    client = scramp.ScramClient([SCRAM], "bob", PASSWORD)
+    server = SaslServer(scram_auth)  # random server nonce
+    feed(server, SASL_HEADER + init_frame(SCRAM, client.get_client_first().encode()), chunk)
+    client.set_server_first(challenge_of(server.take_output()).decode())
+    assert server.may_block
+    feed(server, response_frame(client.get_client_final().encode()), chunk)
+    assert server.done and server.user == "bob" and server.mechanism == SCRAM
+    code, server_final = frame_fields(server.take_output(), 0x44)
+    assert code == Outcome.OK
+    client.set_server_final(server_final.decode())  # raises unless the signature is right
+    assert not server.may_block
+
+
+def test_scram_user_name_escapes(scram_auth: Authenticator) -> None:
+    client = scramp.ScramClient([SCRAM], "a,b=c", "comma")
+    first = client.get_client_first().encode()
+    assert b"n=a=2Cb=3Dc," in first
+    server = SaslServer(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, first))
+    client.set_server_first(challenge_of(server.take_output()).decode())
+    server.feed(response_frame(client.get_client_final().encode()))
+    assert server.done and server.user == "a,b=c"
+
+
+def test_scram_wrong_password(scram_auth: Authenticator) -> None:
+    client = scramp.ScramClient([SCRAM], "bob", "not-the-password")
+    server = SaslServer(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, client.get_client_first().encode()))
+    client.set_server_first(challenge_of(server.take_output()).decode())
+    server.feed(response_frame(client.get_client_final().encode()) + AMQP_HEADER)
+    assert server.failed and server.user is None and server.mechanism is None
+    # an auth outcome, without additional data (part 5.3.3.6: only on success)
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error == (
+        "authentication failed for user 'bob' (SCRAM-SHA-256): wrong password "
+        "(the client proof does not match)"
+    )
+    assert server.take_passthrough() == b""
+
+
+@pytest.mark.parametrize(
+    ("user", "problem"),
+    [
+        ("mallory", "no such user"),
+        ("carol", "pbkdf2-sha256 hash, which works with PLAIN only"),
+    ],
+)
+def test_scram_user_without_scram_credentials_gets_a_full_exchange(
+    scram_auth: Authenticator, user: str, problem: str
+) -> None:
+    """Unknown users (and pbkdf2-only users) get a challenge shaped like a real one,
+    with a salt that is the same on every attempt; the failure comes at the end."""
+    challenges = []
+    for _ in range(2):
+        client = scramp.ScramClient([SCRAM], user, "whatever")
+        server = SaslServer(scram_auth)
+        server.feed(SASL_HEADER + init_frame(SCRAM, client.get_client_first().encode()))
+        challenge = challenge_of(server.take_output())
+        challenges.append(dict(part.split("=", 1) for part in challenge.decode().split(",")))
+        client.set_server_first(challenge.decode())
+        server.feed(response_frame(client.get_client_final().encode()))
+        assert server.failed
+        assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+        assert server.error is not None and problem in server.error
+        assert f"user {user!r}" in server.error
+    first, second = challenges
+    assert first["s"] == second["s"], "the fake salt changes between attempts"
+    assert len(base64.b64decode(first["s"])) == 16  # like a real salt
+    assert first["i"] == str(SCRAM_ITERATIONS)  # like the real users'
+    real = scram_server(scram_auth)
+    real.feed(SASL_HEADER + init_frame(SCRAM, b"n,,n=other-unknown,r=abc"))
+    other = dict(p.split("=", 1) for p in challenge_of(real.take_output()).decode().split(","))
+    assert other["s"] != first["s"], "every unknown user gets the same salt"
+
+
+def test_scram_challenge_for_a_known_user_uses_the_stored_salt(scram_auth: Authenticator) -> None:
+    stored_salt = SCRAM_USERS["bob"].split("$")[2]
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, b"n,,n=bob,r=clientnonce"))
+    assert challenge_of(server.take_output()) == (
+        f"r=clientnonce{NONCE},s={stored_salt},i={SCRAM_ITERATIONS}".encode()
+    )
+
+
+def test_scram_bad_proof(scram_auth: Authenticator) -> None:
+    server = scram_server(scram_auth, RFC_SERVER_NONCE)
+    server.feed(SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST))
+    server.take_output()
+    proof = bytearray(base64.b64decode(RFC_CLIENT_FINAL.rsplit(b",p=", 1)[1]))
+    proof[0] ^= 1
+    final = RFC_CLIENT_FINAL.rsplit(b",p=", 1)[0] + b",p=" + base64.b64encode(bytes(proof))
+    server.feed(response_frame(final))
+    assert server.failed
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error is not None and "wrong password" in server.error
+
+
+@pytest.mark.parametrize(
+    "nonce",
+    [
+        b"rOprNGfwEbeRWgbNEkqO",  # the client's part only
+        b"rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k1",  # altered
+        b"rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0x",  # extended
+    ],
+)
+def test_scram_bad_nonce(scram_auth: Authenticator, nonce: bytes) -> None:
+    server = scram_server(scram_auth, RFC_SERVER_NONCE)
+    server.feed(SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST))
+    server.take_output()
+    # the proof is the RFC's: only the nonce is wrong
+    final = RFC_CLIENT_FINAL.replace(RFC_SERVER_FIRST[2:52], nonce)
+    server.feed(response_frame(final))
+    assert server.failed
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error is not None and "the nonce (r=) is not the one of this exchange" in (
+        server.error
+    )
+
+
+@pytest.mark.parametrize("gs2", [b"n,,", b"y,,", b"n,a=bob,", b"y,a=bob,"])
+def test_scram_gs2_without_channel_binding_is_accepted(
+    scram_auth: Authenticator, gs2: bytes
+) -> None:
+    first = gs2 + b"n=bob,r=cn0nce"
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, first))
+    server_first = challenge_of(server.take_output())
+    server.feed(response_frame(client_final(PASSWORD, first, server_first, gs2)))
+    assert server.done and server.user == "bob", server.error
+
+
+def test_scram_channel_binding_required_by_client_is_refused(scram_auth: Authenticator) -> None:
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, b"p=tls-server-end-point,,n=bob,r=abc"))
+    assert server.failed
+    output = server.take_output()
+    assert frame_fields(output, 0x44) == [Outcome.AUTH]
+    assert 0x42 not in [d for d, _ in decode_frames(output)[1]]  # no challenge
+    assert server.error == (
+        "the SCRAM-SHA-256 client requires channel binding ('tls-server-end-point'), which "
+        "this broker does not support (it offers SCRAM-SHA-256, not SCRAM-SHA-256-PLUS); "
+        "configure the client without channel binding"
+    )
+
+
+def test_scram_channel_binding_attribute_must_repeat_the_gs2_header(
+    scram_auth: Authenticator,
+) -> None:
+    # the client said "y" (no binding, thinks we cannot) but sends c= for "n,,"
+    first = b"y,,n=bob,r=cn0nce"
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, first))
+    server_first = challenge_of(server.take_output())
+    final = client_final(PASSWORD, first, server_first, b"y,,").replace(b"c=eSws", b"c=biws")
+    server.feed(response_frame(final))
+    assert server.failed
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error is not None and "channel binding (c=) does not repeat" in server.error
+
+
+# client-first messages that are refused before any challenge: (message, error substring)
+BAD_CLIENT_FIRST = [
+    (b"", "no GS2 header"),
+    (b"n,,", "no user name (n=)"),
+    (b"n,,r=abc", "no user name (n=)"),
+    (b"n,,n=bob", "no client nonce (r=)"),
+    (b"n,,n=bob,x=1", "no client nonce (r=)"),
+    (b"n,,n=bob,r=", "empty client nonce"),
+    (b"n,,n=bob,r=a\x7fb", "non-printable"),
+    (b"n,,n=,r=abc", "empty user name"),
+    (b"n,,n=b=ob,r=abc", "user name (n=) has '=' not followed by 2C or 3D"),
+    (b"n,,n=b\0b,r=abc", "contains NUL"),
+    (b"x,,n=bob,r=abc", "GS2 channel-binding flag 'x'"),
+    (b"n,b=bob,n=bob,r=abc", "GS2 authzid 'b=bob' is not 'a=<name>'"),
+    (b"n,a=alice,n=bob,r=abc", "user 'bob' acting as 'alice'"),
+    (b"n,,m=ext,n=bob,r=abc", "mandatory extension (m=)"),
+    (b"n,,n=bob,r=abc,1x", "attribute '1x' is not 'x=value'"),
+    (b"n,,n=bob,r=abc,e", "attribute 'e' is not 'x=value'"),
+    (b"n,,n=b\xffb,r=abc", "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("message", "problem"), BAD_CLIENT_FIRST)
+def test_scram_bad_client_first(scram_auth: Authenticator, message: bytes, problem: str) -> None:
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, message))
+    assert server.failed
+    output = server.take_output()
+    assert [d for d, _ in decode_frames(output)[1]] == [0x40, 0x44]  # no challenge
+    assert frame_fields(output, 0x44) == [Outcome.AUTH]
+    assert server.error is not None and problem in server.error, server.error
+
+
+def test_scram_without_initial_response(scram_auth: Authenticator) -> None:
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM))
+    assert server.failed
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error is not None and "without an initial response" in server.error
+
+
+def test_scram_extensions_in_client_first_are_ignored(scram_auth: Authenticator) -> None:
+    first = b"n,,n=bob,r=cn0nce,x=ext,y=more"
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, first))
+    server_first = challenge_of(server.take_output())
+    server.feed(response_frame(client_final(PASSWORD, first, server_first)))
+    assert server.done and server.user == "bob"
+
+
+_RFC_NONCE = RFC_SERVER_FIRST[2:52]
+_RFC_PROOF = RFC_CLIENT_FINAL.rsplit(b",", 1)[1]
+# client-final messages after a valid exchange start: (message, error substring)
+BAD_CLIENT_FINAL = [
+    (b"", "expected 'c=<binding>,r=<nonce>,...,p=<proof>'"),
+    (b"r=" + _RFC_NONCE + b",c=biws," + _RFC_PROOF, "expected 'c=<binding>"),
+    (b"c=biws," + _RFC_PROOF, "expected 'c=<binding>"),
+    (b"c=biws,x=1,r=" + _RFC_NONCE + b"," + _RFC_PROOF, "no nonce (r=)"),
+    (b"c=biws,r=" + _RFC_NONCE + b",q=abc", "no proof (p=) at the end"),
+    (b"c=biws,r=" + _RFC_NONCE + b"," + _RFC_PROOF + b",x=1", "no proof (p=) at the end"),
+    (b"c=b!ws,r=" + _RFC_NONCE + b"," + _RFC_PROOF, "the channel binding (c=) is not valid"),
+    (b"c=biws,r=" + _RFC_NONCE + b",p=AAAA", "the proof (p=) is 3 bytes, expected 32"),
+    (b"c=biws,r=" + _RFC_NONCE + b",p=%%%", "the proof (p=) is not valid base64"),
+    (b"c=biws,r=" + _RFC_NONCE + b",1=2," + _RFC_PROOF, "attribute '1=2' is not"),
+    (b"c=biws,r=\xff," + _RFC_PROOF, "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("message", "problem"), BAD_CLIENT_FINAL)
+def test_scram_bad_client_final(scram_auth: Authenticator, message: bytes, problem: str) -> None:
+    server = scram_server(scram_auth, RFC_SERVER_NONCE)
+    server.feed(SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST))
+    server.take_output()
+    server.feed(response_frame(message))
+    assert server.failed and server.user is None
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error is not None and problem in server.error, server.error
+
+
+def test_scram_extensions_in_client_final_are_ignored(scram_auth: Authenticator) -> None:
+    first = b"n,,n=bob,r=cn0nce"
+    server = scram_server(scram_auth)
+    server.feed(SASL_HEADER + init_frame(SCRAM, first))
+    server_first = challenge_of(server.take_output())
+    # extensions between r= and p= are part of the signed AuthMessage
+    final = client_final(PASSWORD, first, server_first, extensions=b",x=ext,z=1")
+    assert b",x=ext,z=1,p=" in final
+    server.feed(response_frame(final))
+    assert server.done and server.user == "bob", server.error
+
+
+# frame-level problems once the challenge was sent: (stream after the init, code, error)
+SCRAM_FRAME_ERRORS = [
+    (sasl_frame(described_list(0x43)), Outcome.SYS_PERM, "sasl-response response is missing"),
+    (
+        sasl_frame(described_list(0x43, ("string", "c=biws"))),
+        Outcome.SYS_PERM,
+        "sasl-response response is missing or not binary",
+    ),
+    (
+        init_frame(SCRAM, RFC_CLIENT_FIRST),
+        Outcome.SYS_PERM,
+        "unexpected sasl-init in state AWAIT_RESPONSE (SCRAM-SHA-256 expects a sasl-response)",
+    ),
+    (AMQP_HEADER, Outcome.SYS_PERM, "protocol header received where a SASL frame"),
+    (
+        sasl_frame(response_frame(RFC_CLIENT_FINAL)[8:-5]),
+        Outcome.SYS_PERM,
+        "undecodable SASL frame body",
+    ),
+    (
+        struct.pack(">IBBH", 70_000, 2, 1, 0),
+        Outcome.SYS_PERM,
+        "70000 bytes exceeds max_frame 65536",
+    ),
+]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize(("stream", "code", "problem"), SCRAM_FRAME_ERRORS)
+def test_scram_frame_errors_after_the_challenge(
+    scram_auth: Authenticator, stream: bytes, code: int, problem: str, chunk: int | None
+) -> None:
+    server = scram_server(scram_auth, RFC_SERVER_NONCE)
+    server.feed(SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST))
+    server.take_output()
+    feed(server, stream, chunk)
+    assert server.failed
+    assert frame_fields(server.take_output(), 0x44) == [code]
+    assert server.error is not None and problem in server.error, server.error
+
+
+def test_scram_truncated_response_waits_for_the_rest(scram_auth: Authenticator) -> None:
+    server = scram_server(scram_auth, RFC_SERVER_NONCE)
+    server.feed(SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST))
+    server.take_output()
+    frame = response_frame(RFC_CLIENT_FINAL)
+    for cut in (1, 4, 8, len(frame) - 1):
+        partial = scram_server(scram_auth, RFC_SERVER_NONCE)
+        partial.feed(SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST))
+        partial.take_output()
+        partial.feed(frame[:cut])
+        assert partial.state is State.AWAIT_RESPONSE
+        assert partial.take_output() == b"" and partial.error is None
+        partial.feed(frame[cut:])
+        assert partial.done and partial.user == "user"
+    # a peer that stops half-way never gets an outcome (the net layer's timeout ends it)
+    server.feed(frame[:-1])
+    assert server.state is State.AWAIT_RESPONSE and server.take_output() == b""
+
+
+def test_scram_one_byte_at_a_time_gives_the_same_bytes(scram_auth: Authenticator) -> None:
+    streams = [
+        SASL_HEADER
+        + init_frame(SCRAM, RFC_CLIENT_FIRST)
+        + response_frame(RFC_CLIENT_FINAL)
+        + AMQP_HEADER
+        + b"rest",
+        SASL_HEADER + init_frame(SCRAM, RFC_CLIENT_FIRST) + response_frame(b"c=biws"),
+        SASL_HEADER + init_frame(SCRAM, b"n,,n=nobody,r=abc") + response_frame(RFC_CLIENT_FINAL),
+        *(SASL_HEADER + init_frame(SCRAM, message) for message, _ in BAD_CLIENT_FIRST),
+    ]
+    for stream in streams:
+        results = []
+        for chunk in (None, 1, 2, 3, 7, 64):
+            server = scram_server(scram_auth, RFC_SERVER_NONCE)
+            feed(server, stream, chunk)
+            results.append(snapshot(server))
+        assert all(r == results[0] for r in results), stream
+
+
+def test_scram_offered_only_with_scram_users(strict: Authenticator) -> None:
+    server = SaslServer(strict)  # pbkdf2 users only
+    server.feed(SASL_HEADER)
+    assert [str(m) for m in frame_fields(server.take_output(), 0x40)[0]] == ["PLAIN"]
+
+
+def test_plain_works_for_scram_users(scram_auth: Authenticator) -> None:
+    p = Pump(scram_auth, "PLAIN", "bob", PASSWORD).run()
+    assert p.both_open and p.sasl.user == "bob" and p.sasl.mechanism == "PLAIN"
+    p = Pump(scram_auth, "PLAIN", "bob", "wrong").run()
+    assert p.sasl.failed and p.client_condition == "amqp:unauthorized-access"
+    p = Pump(scram_auth, "PLAIN", "carol", "carol-pw").run()  # pbkdf2 still works
+    assert p.both_open and p.sasl.user == "carol"
+
+
+def test_proton_client_offered_scram_falls_back_to_plain(scram_auth: Authenticator) -> None:
+    """The PyPI Proton wheel has no SCRAM (no Cyrus): offered SCRAM-SHA-256 first, it
+    picks PLAIN and still connects."""
+    p = Pump(scram_auth, "SCRAM-SHA-256 PLAIN", "bob", PASSWORD).run()
+    assert p.both_open and p.sasl.mechanism == "PLAIN"
+
+
+def test_may_block(scram_auth: Authenticator) -> None:
+    anonymous_only = Authenticator({}, require_auth=False)
+    assert not SaslServer(anonymous_only).may_block
+    server = SaslServer(scram_auth)
+    assert server.may_block
+    server.feed(SASL_HEADER + init_frame(SCRAM, b"n,,n=bob,r=abc"))
+    assert server.state is State.AWAIT_RESPONSE and server.may_block
+    server.feed(b"\0\0\0\0")
+    assert server.failed and not server.may_block
+
+
+# --- EXTERNAL -----------------------------------------------------------------------------
+
+SUBJECT = "CN=app1,O=Example"
+
+
+@pytest.fixture
+def tls_auth() -> Authenticator:
+    return Authenticator(USERS, require_auth=True, tls_users={SUBJECT: "app"})
+
+
+def test_external_offered_only_with_a_tls_identity(tls_auth: Authenticator) -> None:
+    server = SaslServer(tls_auth)
+    server.feed(SASL_HEADER)
+    assert [str(m) for m in frame_fields(server.take_output(), 0x40)[0]] == ["PLAIN"]
+    server.feed(init_frame("EXTERNAL", b""))
+    assert server.failed
+    assert server.error is not None and "'EXTERNAL', which is not offered" in server.error
+    server = SaslServer(tls_auth, tls_identity=SUBJECT)
+    server.feed(SASL_HEADER)
+    assert [str(m) for m in frame_fields(server.take_output(), 0x40)[0]] == [
+        "EXTERNAL",
+        "PLAIN",
+    ]
+
+
+@pytest.mark.parametrize("response", [None, b"", b"app"])
+def test_external_mapped_identity(tls_auth: Authenticator, response: bytes | None) -> None:
+    server = SaslServer(tls_auth, tls_identity=SUBJECT)
+    server.feed(SASL_HEADER + init_frame("EXTERNAL", response) + AMQP_HEADER)
+    assert server.done
+    assert (server.user, server.mechanism) == ("app", "EXTERNAL")
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.OK]
+    assert server.take_passthrough() == AMQP_HEADER
+
+
+def test_external_unmapped_identity_is_refused(tls_auth: Authenticator) -> None:
+    server = SaslServer(tls_auth, tls_identity="CN=stranger")
+    server.feed(SASL_HEADER + init_frame("EXTERNAL", b""))
+    assert server.failed
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error == (
+        "TLS client certificate 'CN=stranger' is not mapped to a user (EXTERNAL); add it "
+        'to tls_identity_users ("<certificate subject>" = "<user>") or use another mechanism'
+    )
+
+
+def test_external_authzid_of_another_user_is_refused(tls_auth: Authenticator) -> None:
+    server = SaslServer(tls_auth, tls_identity=SUBJECT)
+    server.feed(SASL_HEADER + init_frame("EXTERNAL", b"bob"))
+    assert server.failed
+    assert frame_fields(server.take_output(), 0x44) == [Outcome.AUTH]
+    assert server.error is not None and "maps to user 'app', not 'bob'" in server.error
+
+
+def test_external_only_broker_without_certificate_offers_nothing() -> None:
+    auth = Authenticator({}, require_auth=True, tls_users={SUBJECT: "app"})
+    server = SaslServer(auth)
+    server.feed(SASL_HEADER)
+    assert server.failed
+    assert server.error is not None and "did not present" in server.error
+    _, frames = decode_frames(server.take_output())
+    assert [d for d, _ in frames] == [0x40]  # an empty mechanism list and no outcome
+    assert list(frames[0][1][0]) == []
+
+
+# --- anonymous access policy --------------------------------------------------------------
+
+
+def test_allow_anonymous_false_offers_no_anonymous() -> None:
+    auth = Authenticator(USERS, require_auth=False, allow_anonymous=False)
+    server = SaslServer(auth)
+    server.feed(SASL_HEADER)
+    assert [str(m) for m in frame_fields(server.take_output(), 0x40)[0]] == ["PLAIN"]
+    server.feed(init_frame("ANONYMOUS", b""))
+    assert server.failed and server.error is not None and "not offered" in server.error
+    p = Pump(auth, "ANONYMOUS").run()
+    assert not p.remote_opened and p.client_condition == "amqp:unauthorized-access"
+    p = Pump(auth, None).run()  # skipping SASL is anonymous access too
+    assert p.sasl.failed and not p.remote_opened
+    assert p.sasl.error is not None and "authentication is required" in p.sasl.error
+    p = Pump(auth, "PLAIN", "bob", PASSWORD).run()
+    assert p.both_open
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    first=st.one_of(
+        st.binary(max_size=60),
+        st.sampled_from([RFC_CLIENT_FIRST, *(m for m, _ in BAD_CLIENT_FIRST)]),
+    ),
+    final=st.one_of(
+        st.binary(max_size=120),
+        st.sampled_from([RFC_CLIENT_FINAL, *(m for m, _ in BAD_CLIENT_FINAL)]),
+        st.integers(0, len(RFC_CLIENT_FINAL) - 1).map(
+            lambda i: RFC_CLIENT_FINAL[:i] + b"!" + RFC_CLIENT_FINAL[i + 1 :]
+        ),
+    ),
+)
+def test_scram_any_messages(first: bytes, final: bytes) -> None:
+    """Whatever the client sends, the server never raises, answers with exactly one
+    outcome, and accepts only the one right client-final of the RFC exchange."""
+    auth = Authenticator(SCRAM_USERS, require_auth=True)
+    server = scram_server(auth, RFC_SERVER_NONCE)
+    server.feed(SASL_HEADER + init_frame(SCRAM, first) + response_frame(final))
+    _, frames = decode_frames(server.take_output())
+    kinds = [d for d, _ in frames]
+    assert kinds[0] == 0x40 and kinds[-1] == 0x44 and kinds.count(0x44) == 1
+    assert kinds.count(0x42) <= 1
+    ok = first == RFC_CLIENT_FIRST and final == RFC_CLIENT_FINAL
+    assert server.done is ok
+    assert (server.user == "user") is ok
+    assert frames[-1][1][0] == (Outcome.OK if ok else Outcome.AUTH)

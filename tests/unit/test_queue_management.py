@@ -1,0 +1,83 @@
+"""Unit tests of the queue's management support (`Queue` section "admin pause and
+ages"; `Broker.move_messages`): the operator's pause, arrival times from the coarse
+clock and their bounded marks, group settle times, and taking waiting messages out of
+every place they can wait (main order, a group's parked messages, unmatched)."""
+
+from __future__ import annotations
+
+from amqbroker.core.queue import QueuePolicy
+from tests.unit.core_harness import T0, Harness
+
+
+def test_admin_pause_holds_every_path_until_resume() -> None:
+    h = Harness()
+    c = h.attach("c", 1)
+    h.send("A")  # A bound to c, c out of credit
+    h.send("A")  # parked for c
+    assert h.queue.admin_pause() and not h.queue.admin_pause()
+    h.send(None)
+    h.add_credit(c, 5)  # would serve the parked A2 and u1
+    assert c.labels == ["A1"]
+    assert not h.queue.dispatching and h.queue.paused
+    assert h.queue.admin_resume() and not h.queue.admin_resume()
+    assert c.labels == ["A1", "A2", "u1"]
+
+
+def test_arrival_times_are_within_the_resolution_and_marks_stay_bounded() -> None:
+    h = Harness(policy=QueuePolicy(age_resolution=1.0, age_marks=8))
+    q = h.queue
+    sent = []
+    for _ in range(100):  # one message every 0.3 s, none consumed
+        sent.append((h.send("A"), h.clock.t))
+        h.advance(300)
+    for e, t in sent[-20:]:  # recent ones: within the resolution
+        arrived = q.arrival_time(e.seq)
+        assert arrived is not None and t - 1.0 <= arrived <= t
+    assert len(q._arrivals) <= 8
+    # thinned old marks only get coarser: still never later than the real arrival
+    for e, t in sent:
+        arrived = q.arrival_time(e.seq)
+        assert arrived is not None and arrived <= t
+    assert q.arrival_time(sent[0][0].seq) == T0  # the first mark is kept
+
+
+def test_marks_below_the_oldest_message_are_dropped() -> None:
+    h = Harness(policy=QueuePolicy(age_resolution=1.0, age_marks=4))
+    c = h.attach("c", 1000)
+    for _ in range(20):
+        h.send(None)
+        h.ack(c)
+        h.advance(2000)
+    e = h.send(None)
+    assert len(h.queue._arrivals) <= 4
+    assert h.queue.arrival_time(e.seq) == h.clock.t
+
+
+def test_group_settle_time_and_oldest_waiting_message() -> None:
+    h = Harness(policy=QueuePolicy(age_resolution=1.0))
+    c = h.attach("c", 1)
+    h.send("A")
+    h.advance(5000)
+    h.send("A")  # waits for credit
+    h.advance(3000)
+    [row] = h.queue.group_details()
+    assert (row["settled_at"], row["oldest_seq"], row["oldest_arrival"]) == (T0, 2, T0 + 5)
+    h.ack(c)
+    [row] = h.queue.group_details()
+    assert row["settled_at"] == T0 + 8  # the settlement read the clock (8 s > resolution)
+
+
+def test_take_waiting_from_main_parked_and_unmatched_then_groups_move_on() -> None:
+    h = Harness()
+    c = h.attach("c", 1, filter=lambda e: e.data != b"u1")
+    h.send("A")  # to c
+    h.send("A")  # parked (c has no credit)
+    h.send(None)  # u1: c refuses it -> unmatched once dispatch tries
+    h.add_credit(c, 0)
+    dst = h.broker.create_address("dst", "anycast", durable=False).queues[0]
+    moved = h.broker.move_messages(h.queue, dst, lambda e: e.data in (b"A2", b"u1"))
+    assert moved == 2
+    assert sorted(e.data for e in dst.browse()) == [b"A2", b"u1"]
+    assert (h.queue.count, dst.count) == (1, 2)  # A1 stays (in flight)
+    [row] = h.queue.group_details()
+    assert (row["backlog"], row["blocked"]) == (0, False)

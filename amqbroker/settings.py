@@ -366,6 +366,7 @@ class Settings(BaseSettings):
     grouping_group_timeout: ConfigInt = Field(default=-1, ge=-1)
     grouping_reaper_period: ConfigInt = Field(default=30000, ge=0)
     grouping_timeout_policy: Literal["reject", "ungrouped"] = "reject"
+    grouping_retries: ConfigInt = Field(default=10, ge=0, le=1000)
 
     # slow consumers (amqbroker.core.slow_consumers)
     slow_consumer_threshold: Annotated[ConfigFloat, AfterValidator(_off_or_positive)] = -1.0

@@ -32,6 +32,10 @@ def cluster_status(
         f"{st['arbiter'] or 'unknown'}, epoch {st['epoch']}; "
         f"{st['bindings']} binding(s) here, {st['cachedAnswers']} cached answer(s)"
     )
+    if st.get("election") == "zookeeper":
+        click.echo(f"elected in ZooKeeper; backup arbiter: {st.get('backup') or 'none'}")
+    elif st.get("election") == "static":
+        click.echo("static arbiter (no ZooKeeper): a single point of failure for new groups")
     click.echo(f"{'PEER':12} {'ADDRESS':22} {'LINK':5} {'BRIDGE':>7} {'FORWARDED':>10}  ERROR")
     for p in st["peers"]:
         click.echo(

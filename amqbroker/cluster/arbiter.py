@@ -11,7 +11,9 @@ one key is never bound twice. A proposal for a bound key answers the existing bi
 `ArbiterRole` is what a leader election plugs into: `become_leader(epoch)` makes this
 node's arbiter answer proposals, stamping `epoch` on every decision;
 `become_follower(leader_node_id, epoch)` makes it refuse them (the cluster node then
-sends its proposals to the leader) and fences answers of an older epoch. Without
+sends its proposals to the leader; None: no leader known, proposals wait) and fences
+answers of an older epoch (`fence`, shared with the election); `backup_changed` tells
+the leader which node to replicate to (`replication.Replicator`). Without
 ZooKeeper the statically configured LOCAL node calls `become_leader(0)` at start and
 says the arbiter is a single point of failure; REMOTE nodes learn the leader from the
 peers' announcements.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import trio
 
 from amqbroker.cluster.decisions import BIND, UNBIND, Decision, DecisionLog
+from amqbroker.cluster.election import Fence
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class Binding:
     epoch: int
     last_used: float
     ready: trio.Event = field(default_factory=trio.Event)
+    #: set with `ready` when the decision could not be made (fenced): waiters retry
+    failed: bool = False
 
 
 class Arbiter:
@@ -109,6 +114,8 @@ class Arbiter:
         if b is not None:
             b.last_used = self.clock()
             await b.ready.wait()
+            if b.failed:
+                raise NotArbiter(key)
             return b, False
         epoch = self.epoch
         b = Binding(key, node, queue, epoch, self.clock())
@@ -118,6 +125,8 @@ class Arbiter:
         except BaseException:
             if self.bindings.get(key) is b:
                 del self.bindings[key]
+            b.failed = True
+            b.ready.set()
             raise
         b.ready.set()
         return b, True
@@ -139,6 +148,14 @@ class Arbiter:
         else:
             self.bindings.pop(d.key, None)
 
+    def snapshot(self) -> list[Decision]:
+        """Every decided binding, as decisions (what a new backup starts from)."""
+        return [
+            Decision(BIND, b.key, b.node, b.queue, b.epoch)
+            for b in self.bindings.values()
+            if b.ready.is_set() and not b.failed
+        ]
+
     def bound_to(self, node: str) -> list[str]:
         return [k for k, b in self.bindings.items() if b.node == node]
 
@@ -157,13 +174,21 @@ class ArbiterRole:
     without it, by the static configuration."""
 
     def __init__(
-        self, node_id: str, arbiter: Arbiter, on_change: Callable[[], None] | None = None
+        self,
+        node_id: str,
+        arbiter: Arbiter,
+        on_change: Callable[[], None] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.node_id = node_id
         self.arbiter = arbiter
         self.on_change = on_change
+        #: the highest epoch known; the election's own fence when there is one
+        self.fence = fence if fence is not None else Fence()
         self.leader_id: str | None = None
         self.epoch = 0
+        #: with an election: the second in line (the leader replicates to it)
+        self.backup_id: str | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -173,6 +198,7 @@ class ArbiterRole:
         if epoch < self.epoch:
             log.warning("ignoring leadership of stale epoch %d (current %d)", epoch, self.epoch)
             return
+        self.fence.raise_to(epoch)
         self.epoch = epoch
         self.leader_id = self.node_id
         self.arbiter.epoch = epoch
@@ -181,14 +207,31 @@ class ArbiterRole:
         if self.on_change is not None:
             self.on_change()
 
-    def become_follower(self, leader_node_id: str, epoch: int) -> None:
+    def become_follower(self, leader_node_id: str | None, epoch: int) -> None:
+        """`leader_node_id` None: no arbiter known right now (takeover in progress, or
+        this node lost ZooKeeper); proposals wait and are re-sent once one is known."""
         if epoch < self.epoch:
             return
+        self.fence.raise_to(epoch)
+        was_leading = self.arbiter.leading
         self.arbiter.leading = False
-        changed = leader_node_id != self.leader_id or epoch != self.epoch
+        changed = was_leading or leader_node_id != self.leader_id or epoch != self.epoch
         self.leader_id = leader_node_id
         self.epoch = epoch
         if changed:
-            log.info("the grouping arbiter is %s (epoch %d)", leader_node_id, epoch)
+            if leader_node_id is None:
+                log.info("no grouping arbiter known (epoch %d): new groups wait", epoch)
+            else:
+                log.info("the grouping arbiter is %s (epoch %d)", leader_node_id, epoch)
+            if self.on_change is not None:
+                self.on_change()
+
+    def become_backup(self, leader_node_id: str | None, epoch: int) -> None:
+        """Second in line: a follower that also receives every decision (ReplicaStore)."""
+        self.become_follower(leader_node_id, epoch)
+
+    def backup_changed(self, backup_node_id: str | None) -> None:
+        if backup_node_id != self.backup_id:
+            self.backup_id = backup_node_id
             if self.on_change is not None:
                 self.on_change()

@@ -376,6 +376,30 @@ class ZkElection:
             with trio.CancelScope(shield=True), trio.move_on_after(self._session_timeout + 5):
                 await trio.to_thread.run_sync(self._thread.join)
 
+    async def confirm(self, epoch: int) -> bool:
+        """True if ZooKeeper still names this node's election znode as the leader of
+        `epoch` (a sync and a read, in a worker thread, bounded by the session
+        timeout). The arbiter asks before answering a decision it could not replicate:
+        a resumed old arbiter whose session expired gets False."""
+
+        def check() -> bool:
+            from kazoo.protocol.states import KazooState
+
+            client, my_node = self._client, self._my_node
+            if client is None or my_node is None or client.state != KazooState.CONNECTED:
+                return False
+            try:
+                client.sync(self._epoch_path)
+                got, _leader, znode, _version = self._read_epoch(watch=False)
+                client.get(my_node)  # our own znode (our session) still exists
+            except Exception:
+                return False
+            return got == epoch and znode == my_node.rsplit("/", 1)[1]
+
+        with trio.move_on_after(self._session_timeout):
+            return await trio.to_thread.run_sync(check, abandon_on_cancel=True)
+        return False
+
     def session(self) -> tuple[int, bytes] | None:
         """The ZooKeeper (session id, password) while connected, else None."""
         client = self._client

@@ -35,6 +35,29 @@ reaper expired and those of a node unreachable for `cluster_node_timeout`. Propo
 outstanding while the arbiter is unreachable are kept and sent again when its link is
 back. Answers of an epoch older than the current one are ignored (fencing).
 
+Lost instances (7.8): a queue that disappears from a node's announced topology (or from
+the arbiter's own) was deleted; the arbiter releases every binding to that instance and
+un-proposes it everywhere. An un-proposal names the node it unbinds, so a late one
+never drops a newer answer. A binding this node cannot route to (its node is not in
+`cluster_peers`, or announced the queue deleted) is force-removed: the proposal carries
+it as `stale` and the arbiter removes it, if it still stands, before deciding; after
+`grouping_retries` such attempts the message is treated like a timeout ("grouping
+decision failed"). A REMOTE warns once when its `grouping_group_timeout` exceeds half
+the arbiter's (announced as `groupTimeout`), 7.7. `proposal_latency` (clusterStatus
+"proposals") times each new group's decision as seen by the entry node.
+
+Who arbitrates: without `cluster_zookeeper` the node with `cluster_grouping = "LOCAL"`
+leads at epoch 0 for good (a single point of failure, logged at start) and the others
+learn it from its announcements. With `cluster_zookeeper` (and grouping on) `run`
+starts `election.zk_election(settings, self.role)`: every such node is eligible; the
+election calls `ArbiterRole.become_leader/become_follower/become_backup/backup_changed`
+(`become_follower(None, e)`: no arbiter known, proposals wait and are re-sent once one
+is). The leader's arbiter replicates every decision to the backup before answering
+(`replication.Replicator`, `groupingReplicate`); every node stores replicated
+decisions it accepts (`replication.ReplicaStore`: only from the node its election
+names as leader of that very epoch, 409 below its fence). Proposals waiting for
+another arbiter when this node becomes leader are decided here.
+
 Limits: multicast addresses, transactional sends and addresses with several queues are
 routed locally only; messages already forwarded to a queue instance whose consumers
 later left wait there (no redistribution); the duplicate window is in memory.
@@ -54,7 +77,10 @@ from typing import Any
 import trio
 
 from amqbroker.cluster.arbiter import SPOF_WARNING, Arbiter, ArbiterRole, NotArbiter
-from amqbroker.cluster.decisions import Decision, DecisionLog
+from amqbroker.cluster.decisions import DecisionLog
+from amqbroker.cluster.election import ZkElection, zk_election
+from amqbroker.cluster.replication import ReplicaStore, Replicator
+from amqbroker.cluster.stats import LatencyHistogram
 from amqbroker.core.address import ANYCAST, Address
 from amqbroker.core.broker import PENDING, Broker
 from amqbroker.core.consumer import Consumer
@@ -170,6 +196,9 @@ class Outstanding:
     queue: str
     answered: trio.Event = field(default_factory=trio.Event)
     result: str | None = None
+    #: (node, queue) of a binding this node could not route to: the arbiter removes
+    #: it, if it still stands, before deciding (force-remove, GROUPING 7.4 step 4)
+    stale: tuple[str, str] | None = None
 
 
 class ClusterNode:
@@ -199,6 +228,24 @@ class ClusterNode:
             trio.current_time,
         )
         self.role = ArbiterRole(self.node_id, self.arbiter, on_change=self._role_changed)
+        #: with cluster_zookeeper: the arbiter election (run), its replication to the
+        #: backup (leader side) and the store of replicated decisions (backup side)
+        self.election: ZkElection | None = None
+        self.replicator: Replicator | None = None
+        self.replica_store: ReplicaStore | None = None
+        if s.cluster_zookeeper and self.grouping:
+            self.election = zk_election(s, self.role)
+            self.role.fence = self.election.fence
+            self.replicator = Replicator(
+                self.arbiter,
+                self._replicate_send,
+                epoch=lambda: self.role.epoch,
+                confirm=self.election.confirm,
+                on_fenced=lambda epoch: self.role.become_follower(None, epoch),
+                retry_delay=s.cluster_reconnect_initial,
+            )
+            self.arbiter.add_replica(self.replicator)
+            self.replica_store = ReplicaStore(self.arbiter, self._replica_check, self.flush)
         self.peers: dict[str, Peer] = {}
         for text in s.cluster_peers:
             pid, host, port = parse_peer(text)
@@ -214,6 +261,13 @@ class ClusterNode:
         self.window = DuplicateWindow(s.cluster_duplicate_window)
         self.proposals_sent = 0
         self.timeouts = 0
+        self.force_removed = 0
+        #: entry node: time from proposing a new group to the answer (local or remote)
+        self.proposal_latency = LatencyHistogram()
+        #: per peer: queues it announced and later announced gone (7.8)
+        self._gone: dict[str, set[str]] = {}
+        self._local_queues: set[str] = set()
+        self._warned_group_timeout: tuple[str, int] | None = None
         management.register(GROUPING_TYPE, self._on_grouping_request)
         management.register(CLUSTER_TYPE, self._on_cluster_request)
         management.targets[INBOUND_ADDRESS] = inbound_factory(self.window, self._authorize)
@@ -223,8 +277,7 @@ class ClusterNode:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
         loaded = self.arbiter.load()
-        zk = bool(s.cluster_zookeeper)
-        if self.grouping == "LOCAL" and not zk:
+        if self.grouping == "LOCAL" and self.election is None:
             log.warning(SPOF_WARNING)
             self.role.become_leader(0)
         log.info(
@@ -252,6 +305,9 @@ class ClusterNode:
                 n.start_soon(p.driver.run)
             n.start_soon(self._topology_loop)
             n.start_soon(self._monitor_loop)
+            if self.election is not None and self.replica_store is not None:
+                n.start_soon(self.replica_store.run)
+                await n.start(self.election.run)
             if self.group_timeout > 0 and s.grouping_reaper_period > 0:
                 n.start_soon(self._reaper_loop)
             task_status.started()
@@ -329,6 +385,8 @@ class ClusterNode:
         p.replies = None
         if p.down_since is None:
             p.down_since = trio.current_time()
+        if self.replicator is not None:
+            self.replicator.link_down(p.node_id)
         c = p.consumer
         p.consumer = None
         if c is not None and c.queue is not None:
@@ -390,6 +448,7 @@ class ClusterNode:
                 "grouping": self.grouping,
                 "leader": self.role.leader_id or "",
                 "epoch": self.role.epoch,
+                "groupTimeout": self.settings.grouping_group_timeout,
             },
         )
 
@@ -397,6 +456,7 @@ class ClusterNode:
         while True:
             snap = self._snapshot()
             if snap != self._announced:
+                self._local_queues_changed(set(snap))
                 self._announced = snap
                 for p in self.peers.values():
                     self._announce(p)
@@ -405,6 +465,12 @@ class ClusterNode:
 
     def _role_changed(self) -> None:
         self._announced = None  # announce the new role at the next tick
+        if self.replicator is not None and self.election is not None:
+            backup = self.election.view.backup_id if self.role.is_leader else None
+            self.replicator.set_target(None if backup == self.node_id else backup)
+        if self.role.is_leader:  # proposals waiting for another arbiter: decided here now
+            for o in list(self._outstanding.values()):
+                o.answered.set()
         if self.role.leader_id and self.role.leader_id != self.node_id:
             p = self.peers.get(self.role.leader_id)
             if p is not None and p.ready:
@@ -450,7 +516,10 @@ class ClusterNode:
                 await self._unbind(k)
 
     async def _unbind(self, key: str) -> None:
-        b = await self.arbiter.remove(key)
+        try:
+            b = await self.arbiter.remove(key)
+        except NotArbiter:
+            return  # fenced meanwhile: the new arbiter decides
         if b is None:
             return
         self._drop_local(key, b.queue)
@@ -459,7 +528,7 @@ class ClusterNode:
                 p,
                 "groupingUnpropose",
                 GROUPING_TYPE,
-                {"key": key, "queue": b.queue, "epoch": self.role.epoch},
+                {"key": key, "node": b.node, "queue": b.queue, "epoch": self.role.epoch},
             )
         self.flush()
 
@@ -469,6 +538,127 @@ class ClusterNode:
         suffix = "." + queue
         if q is not None and key.endswith(suffix):
             q.reset_group(key[: -len(suffix)])
+
+    # ------------------------------------- lost queue instances (GROUPING 7.7, 7.8)
+    def _local_queues_changed(self, now: set[str]) -> None:
+        """A local queue instance was deleted: the arbiter here releases its groups."""
+        gone, self._local_queues = self._local_queues - now, now
+        if gone and self.role.is_leader and self._nursery is not None:
+            self._nursery.start_soon(self._release_instances, self.node_id, gone)
+
+    def _peer_queues_changed(self, p: Peer, before: set[str], body: dict[str, Any]) -> None:
+        """A peer's announcement: queues it deleted (released here on the arbiter,
+        force-removed on the other nodes when a binding still names them) and the
+        arbiter's grouping_group_timeout (the "at most half" rule)."""
+        now = set(p.topology)
+        gone = self._gone.setdefault(p.node_id, set())
+        gone -= now
+        gone |= before - now
+        if before - now and self.role.is_leader and self._nursery is not None:
+            self._nursery.start_soon(self._release_instances, p.node_id, before - now)
+        if body.get("leader") == p.node_id and "groupTimeout" in body:
+            self._check_group_timeout(p.node_id, int(body["groupTimeout"]))
+
+    async def _release_instances(self, node: str, queues: set[str]) -> None:
+        keys = [
+            k
+            for k, b in list(self.arbiter.bindings.items())
+            if b.node == node and b.queue in queues
+        ]
+        if keys:
+            log.warning(
+                "queue instance(s) %s on %s deleted: releasing %d group binding(s) "
+                "cluster-wide; the groups are proposed again at their next message",
+                ", ".join(sorted(queues)),
+                node,
+                len(keys),
+            )
+        for k in keys:
+            b = self.arbiter.bindings.get(k)
+            if b is not None and b.node == node and b.queue in queues:
+                await self._unbind(k)
+
+    def _unroutable(self, node: str, qname: str) -> str | None:
+        """Why this node cannot route to the queue instance `qname` on `node`, or None."""
+        if node == self.node_id:
+            return None
+        if node not in self.peers:
+            return (
+                f"it names node {node!r}, which is not in this node's cluster_peers "
+                f"({', '.join(self.peers) or 'none'})"
+            )
+        if qname in self._gone.get(node, ()):
+            return f"node {node!r} announced that its queue {qname!r} was deleted"
+        return None
+
+    async def _force_remove(self, key: str, node: str, queue: str) -> None:
+        """On the arbiter: remove `key`'s binding if it still names node/queue."""
+        b = self.arbiter.lookup(key, touch=False)
+        if b is not None and b.ready.is_set() and (b.node, b.queue) == (node, queue):
+            log.warning("group binding %r -> %s/%s force-removed", key, node, queue)
+            await self._unbind(key)
+
+    async def _decide_node(
+        self, key: str, candidate: str, qname: str, stale: tuple[str, str] | None
+    ) -> tuple[str | None, str | None]:
+        """Propose until the answer names a queue instance this node can route to:
+        (node, None); (None, None) when an attempt timed out; (None, why) after
+        grouping_retries force-removals (GROUPING 7.4 step 4)."""
+        why = "" if stale is None else (self._unroutable(*stale) or "")
+        retries = self.settings.grouping_retries
+        removals = 0
+        while True:
+            if stale is not None:
+                if removals >= retries:
+                    return None, (
+                        f"grouping decision failed: group key {key!r} stays bound to "
+                        f"{stale[0]}/{stale[1]} after {retries} force-removal(s); {why}. "
+                        "Check that cluster_peers lists the same nodes on every node"
+                    )
+                removals += 1
+                self.force_removed += 1
+                self._cache.pop(key, None)
+                log.warning(
+                    "group binding %r -> %s/%s force-removed: %s; proposing the group "
+                    "again (force-removal %d of at most %d)",
+                    key,
+                    stale[0],
+                    stale[1],
+                    why,
+                    removals,
+                    retries,
+                )
+            t0 = trio.current_time()
+            node: str | None = None
+            with trio.move_on_after(self.timeout):
+                node = await self._propose(key, candidate, qname, stale)
+            if node is None:
+                return None, None
+            self.proposal_latency.record(trio.current_time() - t0)
+            reason = self._unroutable(node, qname)
+            if reason is None:
+                return node, None
+            why, stale = reason, (node, qname)
+
+    def _check_group_timeout(self, arbiter: str, theirs: int) -> None:
+        ours = self.settings.grouping_group_timeout
+        if self.role.is_leader or theirs <= 0 or 0 < ours * 2 <= theirs:
+            return
+        if self._warned_group_timeout == (arbiter, theirs):
+            return
+        self._warned_group_timeout = (arbiter, theirs)
+        log.warning(
+            "grouping_group_timeout on this node (%s: %s) is more than half the "
+            "arbiter %s's (%d ms): a group in continuous use through this node can "
+            "expire on the arbiter between two refreshes and move to another queue "
+            "instance while its earlier messages are still queued. Set "
+            "grouping_group_timeout to at most %d ms on this node (GROUPING 7.7)",
+            self.node_id,
+            f"{ours} ms" if ours > 0 else "-1, never refreshes",
+            arbiter,
+            theirs,
+            theirs // 2,
+        )
 
     # -------------------------------------------------------------- routing
     def _pick(self, qname: str) -> str:
@@ -494,11 +684,14 @@ class ClusterNode:
             pend.append((a, e, done))
             return PENDING
         node = self._lookup(key)
+        stale: tuple[str, str] | None = None
         if node is not None:
-            return self._deliver_to(node, a, e)
+            if self._unroutable(node, qname) is None:
+                return self._deliver_to(node, a, e)
+            stale = (node, qname)  # force-removed and proposed again
         self._pending[key] = deque([(a, e, done)])
         assert self._nursery is not None
-        self._nursery.start_soon(self._decide, key, self._pick(qname), qname)
+        self._nursery.start_soon(self._decide, key, self._pick(qname), qname, stale)
         return PENDING
 
     def _lookup(self, key: str) -> str | None:
@@ -534,12 +727,12 @@ class ClusterNode:
         p.forwarded += 1
         return self.broker.route(p.bridge, fe, check_full=False)
 
-    async def _decide(self, key: str, candidate: str, qname: str) -> None:
-        node: str | None = None
-        with trio.move_on_after(self.timeout):
-            node = await self._propose(key, candidate, qname)
+    async def _decide(
+        self, key: str, candidate: str, qname: str, stale: tuple[str, str] | None = None
+    ) -> None:
+        node, failed = await self._decide_node(key, candidate, qname, stale)
         items = self._pending.pop(key, deque())
-        if node is None:
+        if node is None and failed is None:
             self.timeouts += 1
             self._outstanding.pop(key, None)
             log.warning(
@@ -556,6 +749,8 @@ class ClusterNode:
                         res = self._deliver_to(self._pick(qname), a, e)
                         if res is None:
                             res = self.broker.route(a, e)
+                    elif failed is not None:
+                        res = GroupingTimeout(failed)
                     else:
                         res = GroupingTimeout(
                             f"{TIMED_OUT}: the grouping arbiter "
@@ -572,17 +767,21 @@ class ClusterNode:
             done(res)
         self.flush()
 
-    async def _propose(self, key: str, candidate: str, qname: str) -> str:
+    async def _propose(
+        self, key: str, candidate: str, qname: str, stale: tuple[str, str] | None = None
+    ) -> str:
         while True:
             if self.role.is_leader:
                 try:
+                    if stale is not None:
+                        await self._force_remove(key, *stale)
                     b, _ = await self.arbiter.propose(key, candidate, qname)
                     return b.node
                 except NotArbiter:
                     continue
             o = self._outstanding.get(key)
             if o is None:
-                o = Outstanding(key, candidate, qname)
+                o = Outstanding(key, candidate, qname, stale=stale)
                 self._outstanding[key] = o
                 self._send_proposal(o)
             await o.answered.wait()
@@ -599,7 +798,8 @@ class ClusterNode:
             leader,
             "groupingPropose",
             GROUPING_TYPE,
-            {"key": o.key, "node": o.node, "queue": o.queue},
+            {"key": o.key, "node": o.node, "queue": o.queue}
+            | ({"stale": list(o.stale)} if o.stale else {}),
             on_answer=lambda m: self._on_answer(o, m),
         )
         self.flush()
@@ -616,8 +816,14 @@ class ClusterNode:
             )
             return  # kept outstanding: re-sent when the arbiter changes or comes back
         epoch = int(body.get("epoch", 0))
-        if epoch < self.role.epoch:
-            log.warning("ignored a grouping answer of stale epoch %d for %r", epoch, o.key)
+        if not self.role.fence.check(epoch):
+            log.warning(
+                "ignored a grouping answer of stale epoch %d for %r (current epoch %d): "
+                "it comes from a replaced arbiter",
+                epoch,
+                o.key,
+                self.role.fence.current,
+            )
             return
         node = str(body["node"])
         self._cache[o.key] = Cached(node, str(body["queue"]), epoch, trio.current_time())
@@ -654,15 +860,23 @@ class ClusterNode:
             self._nursery.start_soon(self._answer_proposal, body, respond)
         elif op == "groupingUnpropose":
             epoch = int(body.get("epoch", 0))
-            if epoch < self.role.epoch:
-                respond(409, f"stale epoch {epoch} (current {self.role.epoch})", None)
+            if not self.role.fence.check(epoch):
+                respond(409, f"stale epoch {epoch} (current {self.role.fence.current})", None)
                 return
-            self._drop_local(str(body.get("key")), str(body.get("queue")))
+            key, cached = str(body.get("key")), self._cache.get(str(body.get("key")))
+            if cached is None or body.get("node") in (None, cached.node):
+                self._drop_local(key, str(body.get("queue")))
             respond(200, "OK", True)
         elif op == "groupingReplicate":
-            d = Decision.from_dict(body)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._replicate_in, d, respond)
+            if self.replica_store is None:
+                respond(
+                    501,
+                    "groupingReplicate needs the arbiter election: this node has no "
+                    "cluster_zookeeper (or grouping is off)",
+                    None,
+                )
+                return
+            self.replica_store.submit(str(req.properties.get("node", "")), req.body, respond)
         else:
             raise ManagementError(
                 501,
@@ -670,24 +884,61 @@ class ClusterNode:
                 "groupingUnpropose, groupingBindings, groupingReplicate",
             )
 
-    async def _replicate_in(self, d: Decision, respond: Callable[[int, str, Any], None]) -> None:
-        if self.arbiter.log is not None:
-            await trio.to_thread.run_sync(self.arbiter.log.append, [d])
-        self.arbiter.install(d)
-        respond(200, "OK", True)
-        self.flush()
+    def _replicate_send(
+        self, peer_id: str, body: dict[str, Any], on_answer: Callable[[int, str, Any], None]
+    ) -> bool:
+        p = self.peers.get(peer_id)
+        if p is None:
+            return False
+
+        def answer(m: PeerMessage) -> None:
+            st = m.properties.get("statusCode")
+            on_answer(
+                int(st) if isinstance(st, int) else 500,
+                str(m.properties.get("statusDescription", "")),
+                m.body,
+            )
+
+        sent = self._request(p, "groupingReplicate", GROUPING_TYPE, body, on_answer=answer)
+        if sent:
+            self.flush()
+        return sent
+
+    def _replica_check(self, sender: str, epoch: int) -> tuple[int, str, Any] | None:
+        """Whether to store a decision replicated by `sender` (None) or the refusal."""
+        fence = self.role.fence
+        if epoch < fence.current:
+            return (
+                409,
+                f"stale arbiter epoch {epoch}: this node knows epoch {fence.current}, so "
+                f"{sender} is no longer the grouping arbiter",
+                {"epoch": fence.current},
+            )
+        view = self.election.view if self.election is not None else None
+        if view is None or self.role.is_leader or view.leader_id != sender or view.epoch != epoch:
+            return (
+                503,
+                f"{sender} is not (yet) known here as the grouping arbiter of epoch {epoch}; retry",
+                None,
+            )
+        return None
 
     async def _answer_proposal(
         self, body: dict[str, Any], respond: Callable[[int, str, Any], None]
     ) -> None:
         try:
-            b, accepted = await self.arbiter.propose(
-                str(body["key"]), str(body["node"]), str(body["queue"])
-            )
-        except NotArbiter:
-            respond(503, f"this node is no longer the arbiter; ask {self.role.leader_id}", None)
+            key, node, queue = str(body["key"]), str(body["node"]), str(body["queue"])
+            stale = [str(x) for x in body["stale"][:2]] if body.get("stale") else None
         except (KeyError, TypeError):
             respond(400, "groupingPropose needs a map body with key, node and queue", None)
+            self.flush()
+            return
+        try:
+            if stale:
+                await self._force_remove(key, *stale)
+            b, accepted = await self.arbiter.propose(key, node, queue)
+        except NotArbiter:
+            respond(503, f"this node is no longer the arbiter; ask {self.role.leader_id}", None)
         else:
             respond(
                 200,
@@ -696,7 +947,8 @@ class ClusterNode:
                     "key": b.key,
                     "node": b.node,
                     "queue": b.queue,
-                    "epoch": b.epoch,
+                    "epoch": self.role.epoch,
+                    "boundEpoch": b.epoch,
                     "accepted": accepted,
                 },
             )
@@ -751,7 +1003,9 @@ class ClusterNode:
             body = req.body if isinstance(req.body, dict) else {}
             if p is None:
                 raise ManagementError(404, f"unknown cluster node {req.properties.get('node')!r}")
+            old = p.topology
             p.topology = {str(k): int(v) for k, v in dict(body.get("queues") or {}).items()}
+            self._peer_queues_changed(p, set(old), body)
             p.grouping = str(body.get("grouping", ""))
             p.announced_at = trio.current_time()
             zk = bool(self.settings.cluster_zookeeper)
@@ -771,10 +1025,14 @@ class ClusterNode:
             "arbiter": self.role.leader_id or "",
             "epoch": self.role.epoch,
             "isArbiter": self.role.is_leader,
+            "election": "zookeeper" if self.election is not None else "static",
+            "backup": (self.election.view.backup_id or "") if self.election is not None else "",
             "bindings": len(self.arbiter.bindings),
             "cachedAnswers": len(self._cache),
             "pendingProposals": len(self._outstanding),
             "duplicatesDropped": self.window.duplicates,
+            "forceRemoved": self.force_removed,
+            "proposals": self.proposal_latency.summary(),
             "peers": [
                 {
                     "node": p.node_id,

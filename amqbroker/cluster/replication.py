@@ -60,7 +60,7 @@ Respond = Callable[[int, str, Any], None]
 OK, ABORTED, RETRY, FENCED = "ok", "aborted", "retry", "fenced"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Wait:
     done: trio.Event = field(default_factory=trio.Event)
     outcome: str = ABORTED
@@ -117,6 +117,8 @@ class Replicator:
     # ------------------------------------------------------------- replicating
     async def __call__(self, d: Decision) -> None:
         while True:
+            if not self.arbiter.leading:
+                raise NotArbiter(d.key)  # stepped down meanwhile: the new arbiter decides
             target, epoch = self.target, self.epoch()
             if target is None:
                 await self._unreplicated(d, "no backup arbiter is elected")
@@ -214,6 +216,7 @@ class Replicator:
 class _Item:
     decisions: list[Decision]
     snapshot: bool
+    epoch: int
     respond: Respond
 
 
@@ -255,19 +258,8 @@ class ReplicaStore:
         if refused is not None:
             respond(*refused)
             return
-        if snapshot:
-            decisions = self._replace(decisions, epoch)
-        self._queue.append(_Item(decisions, snapshot, respond))
+        self._queue.append(_Item(decisions, snapshot, epoch, respond))
         self._wake.set()
-
-    def _replace(self, snap: list[Decision], epoch: int) -> list[Decision]:
-        keep = {d.key for d in snap if d.kind == BIND}
-        gone = [
-            Decision(UNBIND, k, b.node, b.queue, epoch)
-            for k, b in self.arbiter.bindings.items()
-            if k not in keep
-        ]
-        return gone + snap
 
     async def run(self) -> None:
         while True:
@@ -275,7 +267,24 @@ class ReplicaStore:
             self._wake = trio.Event()
             items = list(self._queue)
             self._queue.clear()
-            batch = [d for it in items for d in it.decisions]
+            # a snapshot replaces the table as it stands after the items before it
+            table = {k: (b.node, b.queue) for k, b in self.arbiter.bindings.items()}
+            batch: list[Decision] = []
+            for it in items:
+                if it.snapshot:
+                    keep = {d.key for d in it.decisions if d.kind == BIND}
+                    batch += [
+                        Decision(UNBIND, k, node, queue, it.epoch)
+                        for k, (node, queue) in table.items()
+                        if k not in keep
+                    ]
+                    table = {}
+                for d in it.decisions:
+                    if d.kind == BIND:
+                        table[d.key] = (d.node, d.queue)
+                    else:
+                        table.pop(d.key, None)
+                batch += it.decisions
             lg = self.arbiter.log
             if lg is not None and batch:
                 if self.in_thread:

@@ -105,6 +105,7 @@ class Consumers:
         self.got: dict[str, list[Received]] = {}
         self.clients: dict[str, Client] = {}
         self.changed = trio.Event()
+        self.scopes: list[trio.CancelScope] = []
 
     async def open(self, c: Cluster, nodes: tuple[str, ...]) -> None:
         for n in nodes:
@@ -114,12 +115,21 @@ class Consumers:
             c.nursery.start_soon(self._pump, n, r)
 
     async def _pump(self, n: str, r: Any) -> None:
-        while True:
-            m = await r.receive(timeout=3600)
-            r.accept(m)
-            self.got[n].append(m)
-            self.changed.set()
-            self.changed = trio.Event()
+        scope = trio.CancelScope()
+        self.scopes.append(scope)
+        with scope:
+            while True:
+                m = await r.receive(timeout=3600)
+                r.accept(m)
+                self.got[n].append(m)
+                self.changed.set()
+                self.changed = trio.Event()
+
+    async def close(self) -> None:
+        for scope in self.scopes:
+            scope.cancel()
+        for c in self.clients.values():
+            await c.close()
 
     def count(self) -> int:
         return sum(len(v) for v in self.got.values())
@@ -142,6 +152,25 @@ class Consumers:
         return owner
 
 
+async def mgmt_status(
+    c: Client, operation: str, props: dict[str, Any], body: Any
+) -> tuple[int, Any]:
+    """A management request whose non-200 answers the test inspects."""
+    reply = await c.receiver(None, dynamic=True, credit=1)
+    s = await c.sender("$management")
+    await s.send(
+        Message(
+            id="fence-probe",
+            reply_to=reply.address,
+            properties={"operation": operation, "type": "org.amqbroker.grouping", **props},
+            body=body,
+        )
+    )
+    r = await reply.receive()
+    reply.accept(r)
+    return int(r.properties["statusCode"]), r.body
+
+
 def accepted(d: Delivery) -> bool:
     return bool(d.remote_state == Delivery.ACCEPTED)
 
@@ -156,6 +185,8 @@ async def test_sigkill_arbiter_mid_traffic_backup_takes_over_one_instance_per_gr
     rounds, kill_at = 30, 10
     reached = trio.Event()
     sent: dict[str, list[tuple[Delivery, Message]]] = {}
+    killed_at: float | None = None
+    new_group_accepted: list[float] = []  # a new group's first send, started after the kill
 
     async def produce(src: str) -> None:
         client = await zc.connect(src)
@@ -166,15 +197,27 @@ async def test_sigkill_arbiter_mid_traffic_backup_takes_over_one_instance_per_gr
                 reached.set()
             for g in [*(f"old{i}" for i in range(5)), f"new{r}"]:
                 m = gmsg(g, r, src)
-                out.append((await s.send(m, timeout=WAIT), m))
+                started = trio.current_time()
+                d = await s.send(m, timeout=WAIT)
+                out.append((d, m))
+                if g.startswith("new") and killed_at is not None and started >= killed_at:
+                    new_group_accepted.append(trio.current_time())
+        await client.close()
 
     async with trio.open_nursery() as n:
         n.start_soon(produce, "node2")
         n.start_soon(produce, "node3")
         await reached.wait()
         zc.proc["node1"].kill()  # SIGKILL the arbiter mid-traffic
+        killed_at = trio.current_time()
         st = await wait_status(zc, "node2", lambda s: s["isArbiter"], "node2 takes over")
         assert int(st["epoch"]) > epoch0
+    assert new_group_accepted, "no new group was decided after the kill"
+    wait_ms = (min(new_group_accepted) - killed_at) * 1000
+    print(
+        f"failover: a new group waited {wait_ms:.0f} ms from the SIGKILL of the arbiter "
+        f"to its first accepted send (ZooKeeper session timeout {SESSION_MS} ms)"
+    )
 
     ok = [m for src in sent.values() for d, m in src if accepted(d)]
     assert len(ok) == sum(len(v) for v in sent.values()), "a send was not accepted"
@@ -186,6 +229,7 @@ async def test_sigkill_arbiter_mid_traffic_backup_takes_over_one_instance_per_gr
     assert {b["key"]: b["node"] for b in bindings} == {f"{g}.orders": o for g, o in owner.items()}
     st3 = await wait_status(zc, "node3", lambda s: s["arbiter"] == "node2", "node3 follows")
     assert int(st3["epoch"]) == int(st["epoch"])
+    await consumers.close()
 
 
 async def test_paused_arbiter_is_fenced_when_it_resumes(zc: Cluster) -> None:
@@ -209,6 +253,21 @@ async def test_paused_arbiter_is_fenced_when_it_resumes(zc: Cluster) -> None:
         st = await wait_status(zc, "node2", lambda s: s["isArbiter"], "node2 takes over")
         epoch2 = int(st["epoch"])
         assert epoch2 > epoch0
+        # what node1 would send when it resumes: a decision of its old epoch is refused
+        async with await zc.connect("node2") as probe:
+            status, body = await mgmt_status(
+                probe,
+                "groupingReplicate",
+                {"node": "node1"},
+                {
+                    "kind": "bind",
+                    "key": "x0.orders",
+                    "node": "node1",
+                    "queue": "orders",
+                    "epoch": epoch0,
+                },
+            )
+        assert (status, body) == (409, {"epoch": epoch2})
         for i in range(5):  # the same groups, decided by the new arbiter
             await s3.send(gmsg(f"x{i}", 1, "node3"), timeout=WAIT)
         for g in ("a", "b", "c"):
@@ -231,5 +290,6 @@ async def test_paused_arbiter_is_fenced_when_it_resumes(zc: Cluster) -> None:
     async with await zc.connect("node2") as c:
         bindings = await mgmt(c, "groupingBindings", "org.amqbroker.grouping")
     assert {b["key"]: b["node"] for b in bindings} == {f"{g}.orders": o for g, o in owner.items()}
-    for c in (c1, c3, *consumers.clients.values()):
+    await consumers.close()
+    for c in (c1, c3):
         await c.close()

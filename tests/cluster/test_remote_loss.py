@@ -3,7 +3,8 @@
 Three broker processes: node1 (LOCAL arbiter), node2 and node3 (REMOTE). Consumers
 on node2 and node3, producers on node1 and node2 sending rounds of grouped, durable
 messages. node1 has no consumer, so its first round spreads the groups over node2
-and node3. node3 is SIGKILLed mid-traffic; the producers keep sending.
+and node3. node3's consumer takes only its first few messages, so node3 holds stored
+messages of its groups when it is SIGKILLed mid-traffic; the producers keep sending.
 
 What must hold:
 
@@ -33,6 +34,7 @@ from proton import Delivery, Message
 
 from tests.client import Client, ClientError
 from tests.cluster.cluster_helpers import Cluster, mgmt
+from tests.integration import mgmt as mgmt_request
 from tests.integration.broker_process import BrokerProcesses
 
 pytestmark = pytest.mark.timeout(90)
@@ -42,6 +44,7 @@ ROUNDS = 70
 KILL_AT = 8
 PACE = 0.05  # seconds between rounds: the release (2 s node timeout) falls mid-run
 NODE_TIMEOUT = 2.0
+STALLED = 30
 
 
 @pytest.fixture
@@ -62,14 +65,15 @@ def body(group: str, seq: int, src: str) -> str:
 class Session:
     """One consumer connection on one node, accepting everything it gets."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, credit: int = 5000) -> None:
         self.node = node
+        self.credit = credit
         self.bodies: list[str] = []
         self.client: Client | None = None
 
     async def run(self, cluster: Cluster, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.client = await cluster.connect(self.node)
-        r = await self.client.receiver("orders", credit=5000)
+        r = await self.client.receiver("orders", credit=self.credit)
         task_status.started()
         try:
             while True:
@@ -92,8 +96,10 @@ async def test_killing_a_remote_node_keeps_order_ownership_and_messages(
     await cluster.start()
     await cluster.wait_linked()
     sessions: list[Session] = []
+    # node3's consumer takes only STALLED messages: the rest of its groups' traffic
+    # stays stored on node3 until the kill, and must be recovered by its restart
     for n in ("node2", "node3"):
-        s = Session(n)
+        s = Session(n, credit=STALLED if n == "node3" else 5000)
         await nursery.start(s.run, cluster)
         sessions.append(s)
     await trio.sleep(0.3)  # consumers announced to the peers
@@ -131,8 +137,14 @@ async def test_killing_a_remote_node_keeps_order_ownership_and_messages(
         on2 = {g for g, n in before.items() if n == "node2"}
         assert on3 and on2, f"node1's first round should spread the groups: {before}"
         with trio.fail_after(20):
-            while min(round_done.values()) < KILL_AT:
+            while True:
+                if min(round_done.values()) >= KILL_AT:
+                    break
                 await trio.sleep(0.01)
+        async with await cluster.connect("node3") as c:
+            q = await mgmt_request.request(c, "READ", "orders", type="org.amqbroker.queue")
+        stored_on3 = int(q.body["messageCount"])
+        assert stored_on3 > 0, q.body
         cluster.proc["node3"].kill()
         killed_at = trio.current_time()
         # the arbiter releases node3's groups after cluster_node_timeout
@@ -165,14 +177,18 @@ async def test_killing_a_remote_node_keeps_order_ownership_and_messages(
 
     try:
         with trio.fail_after(30):
-            while not want <= received():
+            while True:
+                if want <= received():
+                    break
                 await trio.sleep(0.05)
     except trio.TooSlowError:
         missing = sorted(want - received())
         for n in ("node1", "node2", "node3"):
             print(n, await cluster.status(n))
             print("\n".join(cluster.proc[n].stderr_lines[-15:]))
-        raise AssertionError(f"{len(missing)} accepted message(s) never delivered: {missing[:10]}")
+        raise AssertionError(
+            f"{len(missing)} accepted message(s) never delivered: {missing[:10]}"
+        ) from None
     await trio.sleep(0.3)  # late duplicates, if any, arrive now
 
     # ownership: which nodes each group's messages reached
@@ -203,14 +219,28 @@ async def test_killing_a_remote_node_keeps_order_ownership_and_messages(
     # per (group, producer): node3 got a prefix, the new owner the rest, no gap, no overlap
     for g in on3:
         for src in ("node1", "node2"):
-            old = {int(b.split(":")[1]) for s in sessions if s.node == "node3" for b in s.bodies
-                   if b.startswith(f"{g}:") and b.endswith(f":{src}")}
-            new = {int(b.split(":")[1]) for s in sessions if s.node == after[g] for b in s.bodies
-                   if b.startswith(f"{g}:") and b.endswith(f":{src}")}
+            old = {
+                int(b.split(":")[1])
+                for s in sessions
+                if s.node == "node3"
+                for b in s.bodies
+                if b.startswith(f"{g}:") and b.endswith(f":{src}")
+            }
+            new = {
+                int(b.split(":")[1])
+                for s in sessions
+                if s.node == after[g]
+                for b in s.bodies
+                if b.startswith(f"{g}:") and b.endswith(f":{src}")
+            }
             assert not old & new, (g, src, sorted(old & new))
             assert old | new == set(range(ROUNDS)), (g, src)
             assert max(old) < min(new), (g, src, max(old), min(new))
+    for s in sessions:
+        if s.client is not None:
+            s.client.abort()
     print(
         f"released {len(on3)} group(s) {released_after:.2f} s after the kill; "
+        f"{stored_on3} stored on node3 when killed; "
         f"{len(want)} messages delivered; resent copies after the restart: {dups}"
     )

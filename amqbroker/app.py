@@ -61,6 +61,7 @@ from typing import Any
 import trio
 
 from amqbroker import __version__
+from amqbroker.cluster.node import ClusterNode
 from amqbroker.core.address_settings import AddressSettingsRepository
 from amqbroker.core.auth import Authenticator
 from amqbroker.core.authz import Authorizer
@@ -141,6 +142,7 @@ class BrokerApp:
         self._clock_offset = 0.0
         self._trio_clock: trio.abc.Clock = _NoClock()
         self.exit_code = 0
+        self.cluster: ClusterNode | None = None
         #: metrics and traces (amqbroker.telemetry); None while all of it is off.
         #: `span_exporter`, when set before run() (tests, embedders), gets every span.
         self.telemetry: Telemetry | None = None
@@ -252,6 +254,8 @@ class BrokerApp:
             connections=lambda: list(self.hub.drivers),
             store_statistics=journal.statistics,
         )
+        if s.cluster_node_id:
+            self.cluster = ClusterNode(s, broker, self.hub, self.management, data_dir)
         self.hub.after_flush.append(self._store_lot.unpark_all)
         self._limits = ConnectionLimits(
             container_id="amqbroker",
@@ -320,6 +324,9 @@ class BrokerApp:
                 root.start_soon(self._depage_loop)
                 if s.expiry_scan_period > 0:
                     root.start_soon(self._expiry_loop)
+                if self.cluster is not None:
+                    # cluster connections start before clients are accepted
+                    await root.start(self.cluster.run)
                 if s.slow_consumer_threshold > 0:
                     self.slow_consumers = SlowConsumerDetector(s.slow_consumer_threshold)
                     root.start_soon(self._slow_consumer_loop, self.slow_consumers)
@@ -608,6 +615,8 @@ class BrokerApp:
             self.exit_code = 3
 
     def _close_store(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
         if self.journal is not None:
             try:
                 self.journal.close()

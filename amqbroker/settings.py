@@ -187,6 +187,32 @@ def _queue_prefix(value: str) -> str:
     return value
 
 
+def _check_zookeeper(text: str) -> str:
+    """``host:port[,host:port...]`` (empty = no ZooKeeper); whitespace around items ok."""
+    if not text.strip():
+        return ""
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        try:
+            parse_listener(item)
+        except ValueError:
+            raise ValueError(
+                f"{item!r} is not host:port; give the ZooKeeper servers as "
+                "'host:port,host:port', e.g. 127.0.0.1:2181, or leave it empty for a "
+                "static arbiter"
+            ) from None
+    return ",".join(items)
+
+
+def _check_znode_path(text: str) -> str:
+    if text and (not text.startswith("/") or text.endswith("/") or "//" in text):
+        raise ValueError(
+            "must be an absolute znode path such as /amqbroker/prod (no trailing '/'), "
+            "or empty for /amqbroker/default"
+        )
+    return text
+
+
 Listener = Annotated[str, AfterValidator(_check_listener)]
 Host = Annotated[str, AfterValidator(_check_host)]
 UserName = Annotated[str, Field(min_length=1)]
@@ -203,6 +229,27 @@ class AddressConfig(BaseModel):
     name: Annotated[str, AfterValidator(check_address_name)]
     routing: Routing
     durable: bool = True
+
+
+_PEER_RE: Final = re.compile(r"^([A-Za-z0-9_-]+)=(.+):(\d{1,5})$")
+
+
+def parse_peer(text: str) -> tuple[str, str, int]:
+    """`id=host:port` -> (id, host, port)."""
+    m = _PEER_RE.match(text)
+    if m is None or not 0 < int(m.group(3)) <= 65535:
+        raise ValueError(
+            f"cluster peer {text!r} must look like 'node2=127.0.0.1:5673' (id=host:port)"
+        )
+    host = m.group(2)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return m.group(1), host, int(m.group(3))
+
+
+def _cluster_peer(text: str) -> str:
+    parse_peer(text)
+    return text
 
 
 class _CrossFieldError(ValueError):
@@ -304,6 +351,23 @@ class Settings(BaseSettings):
     message_age_marks: ConfigInt = Field(default=1024, ge=2)
     global_max_size: ConfigInt = Field(default=1 << 30, ge=-1)
 
+    # cluster (issue 15; amqbroker.cluster)
+    cluster_node_id: str = Field(default="", pattern=r"^[A-Za-z0-9_-]*$")
+    cluster_peers: list[Annotated[str, AfterValidator(_cluster_peer)]] = Field(default_factory=list)
+    cluster_user: str = ""
+    cluster_password: str = ""
+    cluster_reconnect_initial: ConfigFloat = Field(default=0.2, gt=0)
+    cluster_reconnect_max: ConfigFloat = Field(default=5.0, gt=0)
+    cluster_node_timeout: ConfigFloat = Field(default=5.0, gt=0)
+    cluster_topology_period: ConfigFloat = Field(default=0.2, gt=0)
+    cluster_duplicate_window: ConfigInt = Field(default=100_000, ge=1)
+    cluster_grouping: Literal["", "LOCAL", "REMOTE"] = ""
+    grouping_timeout: ConfigInt = Field(default=5000, ge=1)
+    grouping_group_timeout: ConfigInt = Field(default=-1, ge=-1)
+    grouping_reaper_period: ConfigInt = Field(default=30000, ge=0)
+    grouping_timeout_policy: Literal["reject", "ungrouped"] = "reject"
+    grouping_retries: ConfigInt = Field(default=10, ge=0, le=1000)
+
     # slow consumers (amqbroker.core.slow_consumers)
     slow_consumer_threshold: Annotated[ConfigFloat, AfterValidator(_off_or_positive)] = -1.0
     slow_consumer_check_period: ConfigFloat = Field(default=5.0, gt=0, le=86400)
@@ -323,6 +387,16 @@ class Settings(BaseSettings):
         default_factory=lambda: {"#": AddressSettings()}
     )
     addresses: list[AddressConfig] = Field(default_factory=list)
+
+    # cluster: arbiter election in ZooKeeper (amqbroker/cluster/election.py)
+    cluster_zookeeper: Annotated[str, AfterValidator(_check_zookeeper)] = Field(
+        default="", description="ZooKeeper ensemble 'host:port,...'; empty = static arbiter"
+    )
+    cluster_zookeeper_path: Annotated[str, AfterValidator(_check_znode_path)] = Field(
+        default="", description="znode of this cluster's election; empty = /amqbroker/default"
+    )
+    cluster_zookeeper_session_timeout: ConfigInt = Field(default=10000, ge=200, le=600_000)
+    cluster_zookeeper_reconnect_max_delay: ConfigInt = Field(default=2000, ge=10, le=600_000)
 
     @classmethod
     def settings_customise_sources(
@@ -383,6 +457,25 @@ class Settings(BaseSettings):
                     f"[tls_identity_users] (nor {ANONYMOUS_USER!r}, the user of connections "
                     f"without credentials); {hint}add the user or correct the name",
                 )
+        if (self.cluster_peers or self.cluster_grouping) and not self.cluster_node_id:
+            raise _CrossFieldError(
+                {"cluster_node_id": self.cluster_node_id, "cluster_peers": self.cluster_peers},
+                "a cluster node needs a cluster_node_id (unique in the cluster, e.g. 'node1')",
+            )
+        peer_ids = [parse_peer(p)[0] for p in self.cluster_peers]
+        if len(set(peer_ids)) != len(peer_ids) or self.cluster_node_id in peer_ids:
+            raise _CrossFieldError(
+                {"cluster_node_id": self.cluster_node_id, "cluster_peers": self.cluster_peers},
+                "every cluster peer needs its own id, different from cluster_node_id",
+            )
+        if self.cluster_reconnect_initial > self.cluster_reconnect_max:
+            raise _CrossFieldError(
+                {
+                    "cluster_reconnect_initial": self.cluster_reconnect_initial,
+                    "cluster_reconnect_max": self.cluster_reconnect_max,
+                },
+                "cluster_reconnect_initial must not exceed cluster_reconnect_max",
+            )
         seen: dict[tuple[str, int], str] = {}
         if self.port:
             seen[(self.host, self.port)] = "host/port"
@@ -448,12 +541,13 @@ _JSON_EXAMPLES: Final = {
     "roles": '{"alice": ["app"]}',
     "security": '{"orders.#": {"send": ["app"], "consume": ["app"]}}',
     "extra_listeners": '["0.0.0.0:5673"] or 0.0.0.0:5673,[::1]:5674',
+    "cluster_peers": '["node2=127.0.0.1:5673"] or node2=127.0.0.1:5673,node3=127.0.0.1:5674',
     "tls_listeners": '["0.0.0.0:5671"] or 0.0.0.0:5671,[::1]:5671',
 }
 #: listener lists: JSON or a comma-separated list in environment variables
 _LISTENER_FIELDS: Final = frozenset({"extra_listeners", "tls_listeners"})
 #: values never repeated in messages
-_SECRET_FIELDS: Final = frozenset({"users"})
+_SECRET_FIELDS: Final = frozenset({"users", "cluster_password"})
 
 
 # ------------------------------------------------------------------------------- loading
@@ -596,7 +690,9 @@ def _toml_position(exc: tomllib.TOMLDecodeError, text: str) -> tuple[int, int, s
 
 def _decode_env(name: str, text: str) -> object:
     """Turn an environment variable's text into the value to validate."""
-    if name in _JSON_FIELDS or (name in _LISTENER_FIELDS and text.lstrip().startswith("[")):
+    if name in _JSON_FIELDS or (
+        (name in _LISTENER_FIELDS or name == "cluster_peers") and text.lstrip().startswith("[")
+    ):
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
@@ -604,7 +700,7 @@ def _decode_env(name: str, text: str) -> object:
                 f"not valid JSON ({exc.msg} at column {exc.colno}); expected e.g. "
                 f"{_JSON_EXAMPLES[name]}"
             ) from None
-    if name in _LISTENER_FIELDS:
+    if name in _LISTENER_FIELDS or name == "cluster_peers":
         return [part.strip() for part in text.split(",") if part.strip()]
     return text
 

@@ -14,6 +14,7 @@ Commands::
     amqbroker groups list|count|reset QUEUE
     amqbroker producer|consumer|browser ADDRESS
     amqbroker perf [perf options]        the load client (scripts/perf.py)
+    amqbroker cluster status [--bindings] nodes, links, arbiter and epoch
 
 Every command that talks to a broker takes --url, --user, --password (or
 AMQBROKER_URL, AMQBROKER_USER, AMQBROKER_PASSWORD); every table has --json. Exit
@@ -29,7 +30,7 @@ from __future__ import annotations
 import click
 
 from amqbroker import __version__
-from amqbroker.cli import admin, messaging, perf, server
+from amqbroker.cli import admin, cluster, messaging, perf, server
 
 
 @click.group()
@@ -51,6 +52,7 @@ for _command in (
     messaging.consumer,
     messaging.browser,
     perf.perf,
+    cluster.cluster,
 ):
     main.add_command(_command)
 

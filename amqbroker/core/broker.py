@@ -22,7 +22,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
 from amqbroker.core.address_settings import (
@@ -35,6 +35,7 @@ from amqbroker.core.address_settings import (
 from amqbroker.core.codec import MessageCodec, PlainCodec
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import (
+    BrokerError,
     InvalidField,
     NotFound,
     PreconditionFailed,
@@ -50,6 +51,19 @@ log = logging.getLogger(__name__)
 ROUTED = 0
 ROUTED_SYNC = 1  # at least one durable copy: settle the producer after the store syncs
 NO_ROUTE = 2  # multicast address without subscribers: accepted and dropped
+PENDING = 3  # (router hook only) decided later: the router calls `done` with the result
+
+
+class Router(Protocol):
+    """A hook asked first for every message a producer link routes (the cluster layer:
+    which node's queue instance takes it). `route` returns None to let the broker route
+    locally as usual, a route() result when it routed the message itself, or PENDING
+    when the decision comes later: it then calls `done` once with the result or a
+    BrokerError (the producer's transfer is rejected with it)."""
+
+    def route(
+        self, a: Address, e: Entry, done: Callable[[int | BrokerError], None]
+    ) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,8 @@ class Broker:
         self.routed = 0
         self.dropped_no_route = 0
         self.dropped_dead_letters = 0
+        #: clustered routing hook (None: single node)
+        self.router: Router | None = None
 
     # ------------------------------------------------------------- settings
     def resolve(self, address: str) -> ResolvedAddressSettings:

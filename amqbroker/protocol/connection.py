@@ -780,6 +780,17 @@ class AmqpConnection:
         elif tgt.address == MANAGEMENT_ADDRESS and self.management is not None:
             self._attach_management(link)
             return
+        elif self.management is not None and tgt.address in getattr(self.management, "targets", {}):
+            # registered special targets (the cluster's `$cluster.inbound`)
+            h = self.management.targets[tgt.address](self, link)
+            self.links[h.ptr] = h
+            link.target.copy(tgt)
+            link.source.copy(link.remote_source)
+            link.rcv_settle_mode = Link.RCV_FIRST
+            link.snd_settle_mode = link.remote_snd_settle_mode
+            link.open()
+            h.start()
+            return
         else:
             caps = _symbols(tgt.capabilities)
             hint = next((_ROUTING_CAPS[c] for c in caps if c in _ROUTING_CAPS), None)

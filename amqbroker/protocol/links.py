@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from amqbroker.core.address import Address
 from amqbroker.core.authz import CACHED_ADDRESS_MAX
-from amqbroker.core.broker import ROUTED_SYNC, Broker
+from amqbroker.core.broker import PENDING, ROUTED_SYNC, Broker
 from amqbroker.core.consumer import Consumer
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError, Unauthorized
@@ -275,6 +275,7 @@ class ProducerLink:
         "address",
         "blocked",
         "broker",
+        "bypass_router",
         "closed",
         "conn",
         "credit",
@@ -320,6 +321,9 @@ class ProducerLink:
         self.sync = conn.sync
         self.waiting: deque[tuple[Any, int]] = deque()
         self.temporary_queue = temporary_queue
+        #: True for links whose messages are already routed (cluster bridges):
+        #: the broker's `router` hook (clustered routing) is not asked
+        self.bypass_router = False
         self.tracer = conn.limits.route_tracer
         #: anonymous relay under security: destinations this link may send to (bounded
         #: by limits.relay_authz_cache); None = no per-message check
@@ -441,6 +445,16 @@ class ProducerLink:
             if delivery_remote_state(d) == PN_TRANSACTIONAL:
                 self._enlist(d, a, e, presettled)
                 return
+            router = broker.router
+            if router is not None and not self.bypass_router:
+                res = router.route(a, e, self._routed_later(d, presettled))
+                if res is not None:
+                    if res == PENDING:
+                        if presettled:
+                            delivery_settle(d)
+                        return
+                    self._settle_routed(d, presettled, res == ROUTED_SYNC, a)
+                    return
             qs = a.queues
             if (
                 len(qs) == 1
@@ -458,6 +472,29 @@ class ProducerLink:
         except BrokerError as exc:
             self._refuse(d, presettled, exc.condition, exc.description)
             return
+        self._settle_routed(d, presettled, sync, a)
+
+    def _routed_later(self, d: Any, presettled: bool) -> Callable[[int | BrokerError], None]:
+        """The completion the cluster router calls once a PENDING message is routed
+        (or refused); a no-op once the link has gone or for presettled transfers."""
+
+        def done(res: int | BrokerError) -> None:
+            if self.closed or presettled:
+                return
+            if isinstance(res, BrokerError):
+                fp.reject(d, res.condition, res.description)
+                if not self.conn.dirty:
+                    self.conn.mark_dirty()
+                return
+            self._settle_routed(d, False, res == ROUTED_SYNC)
+            if not self.conn.dirty:
+                self.conn.mark_dirty()
+
+        return done
+
+    def _settle_routed(
+        self, d: Any, presettled: bool, sync: bool, a: Address | None = None
+    ) -> None:
         if presettled:
             delivery_settle(d)
         elif sync and self.sync is not None:
@@ -467,7 +504,13 @@ class ProducerLink:
             delivery_update(d, PN_ACCEPTED)
             delivery_settle(d)
         # anonymous relay: block the link on a full target until it drains
-        if self.address is None and a.full and a.full_policy == "BLOCK" and not self.blocked:
+        if (
+            a is not None
+            and self.address is None
+            and a.full
+            and a.full_policy == "BLOCK"
+            and not self.blocked
+        ):
             self.blocked = True
             a.block(self)
 

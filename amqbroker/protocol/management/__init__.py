@@ -35,6 +35,20 @@ without one is rejected); an answer never carries a partial change: an operation
 validates its arguments before it changes anything.
 """
 
-from amqbroker.protocol.management.node import ManagementError, ManagementLink, ManagementNode
+from amqbroker.protocol.management.node import (
+    ExtensionHandler,
+    ManagementError,
+    ManagementLink,
+    ManagementNode,
+    ManagementRequest,
+    Responder,
+)
 
-__all__ = ["ManagementError", "ManagementLink", "ManagementNode"]
+__all__ = [
+    "ExtensionHandler",
+    "ManagementError",
+    "ManagementLink",
+    "ManagementNode",
+    "ManagementRequest",
+    "Responder",
+]

@@ -16,11 +16,21 @@ The operation is checked against the type before the entity is looked up, so an
 unsupported operation is a 405 whether or not the entity exists. With security on,
 every request needs `manage` on `$management` (as the attach does), CREATE needs
 `create_address` on a new address and DELETE of a queue or address `delete_address`.
+
+Extensions: a higher layer registers a handler per request `type`
+(`register(type, handler)`, e.g. the cluster's `org.amqbroker.grouping` and
+`org.amqbroker.cluster`). A handler gets a plain `ManagementRequest` (no proton object)
+and a `respond(status, description, body)` callable it may call later (an answer
+that waits for a disk sync or another node); the request transfer itself is accepted
+at once. `targets` maps extra link target addresses (`$cluster.inbound`) to a link
+handler factory `(connection, link) -> handler`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import proton
@@ -72,6 +82,26 @@ NODE_OPERATIONS = (
 _DESCRIPTIONS = {OK: "OK", CREATED: "Created", NO_CONTENT: "No Content"}
 
 
+@dataclass
+class ManagementRequest:
+    """One management request, decoded into plain values for extension handlers."""
+
+    operation: str
+    type: str
+    name: str
+    properties: dict[str, Any]
+    body: Any
+    message_id: Any
+    #: the authenticated user of the requesting connection (None: anonymous)
+    user: str | None
+    connection_id: str
+
+
+#: respond(statusCode, statusDescription, body)
+Responder = Callable[[int, str, Any], None]
+ExtensionHandler = Callable[[ManagementRequest, Responder], None]
+
+
 class ManagementNode:
     def __init__(
         self,
@@ -88,6 +118,13 @@ class ManagementNode:
             started=broker.clock(),
         )
         self.requests = 0
+        #: request type -> handler (registered by higher layers, e.g. the cluster)
+        self.extensions: dict[str, ExtensionHandler] = {}
+        #: extra link target address -> handler factory (conn, link) -> link handler
+        self.targets: dict[str, Callable[[AmqpConnection, Any], Any]] = {}
+
+    def register(self, type_name: str, handler: ExtensionHandler) -> None:
+        self.extensions[type_name] = handler
 
     def attach(self, conn: AmqpConnection, link: Any) -> ManagementLink:
         return ManagementLink(self, conn, link)
@@ -325,6 +362,19 @@ class ManagementLink:
             if denial is not None:
                 fp.reject(d, "amqp:unauthorized-access", denial)
                 return
+        raw: dict[Any, Any] = dict(request.properties or {})
+        props: dict[str, Any] = {str(k): v for k, v in raw.items()}
+        ext = self.node.extensions.get(str(props.get("type")))
+        if ext is not None:
+            if authz is not None:
+                denial = authz.denial(self.conn.user, "manage", "$management")
+                if denial is not None:
+                    fp.reject(d, "amqp:unauthorized-access", denial)
+                    return
+            fp.accept(d)
+            self.conn.mark_dirty()
+            self._extension(ext, request, props)
+            return
         reply = self.node.handle(request, self.conn)
         reply.address = reply_to
         try:
@@ -335,6 +385,47 @@ class ManagementLink:
             return
         fp.accept(d)
         self.conn.mark_dirty()
+
+    def _extension(
+        self, handler: ExtensionHandler, request: proton.Message, props: dict[str, Any]
+    ) -> None:
+        self.node.requests += 1
+        reply_to = str(request.reply_to)
+        corr = request.id if request.id is not None else request.correlation_id
+        broker = self.node.broker
+        answered = False
+
+        def respond(status: int, description: str, body: Any) -> None:
+            nonlocal answered
+            if answered:
+                return
+            answered = True
+            reply = proton.Message(body=body)
+            reply.address = reply_to
+            reply.correlation_id = corr
+            reply.properties = {"statusCode": status, "statusDescription": description}  # type: ignore[assignment]
+            try:
+                broker.route(broker.address_for_relay(reply_to), Entry(bytes(reply.encode())))
+            except BrokerError as exc:
+                log.info("management answer to %s not delivered: %s", reply_to, exc.description)
+
+        req = ManagementRequest(
+            operation=str(props.get("operation", "")),
+            type=str(props.get("type", "")),
+            name=str(props.get("name", "") or ""),
+            properties=props,
+            body=request.body,
+            message_id=request.id,
+            user=self.conn.user,
+            connection_id=self.conn.conn_id,
+        )
+        try:
+            handler(req, respond)
+        except ManagementError as exc:
+            respond(exc.status, exc.description, None)
+        except Exception:
+            log.exception("management extension %s failed", req.type)
+            respond(500, "internal error handling the request; see the broker log", None)
 
     def detach(self, broker: Broker, failed: bool = False) -> None:
         pass

@@ -1,0 +1,9 @@
+"""Clustering (issue 15): peer connections, store-and-forward and clustered grouping.
+
+Layer: between app and net. It may import net, protocol, settings, core; it never
+imports proton (the protocol layer's `peer` module speaks AMQP for it). `node` is the
+cluster node (links, forwarding, routing hook, grouping handler), `arbiter` the LOCAL
+grouping handler and the role interface a leader election drives, `decisions` the
+arbiter's synced decision log, `election` the ZooKeeper election and its epoch
+fence, `replication` the synchronous copy of every decision to the backup arbiter.
+"""

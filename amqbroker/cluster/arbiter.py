@@ -1,0 +1,237 @@
+"""The grouping arbiter (LOCAL handler, GROUPING 7.5) and the role interface for election.
+
+`Arbiter` holds the cluster-wide table `full group key -> Binding(node, queue)`. A
+proposal for an unbound key creates the binding, writes the decision to the decision
+log (fsync, in a worker thread), hands it to every replica (`add_replica`: the backup
+arbiter receives each decision synchronously), and only then answers; concurrent
+proposals for the same key wait for that first decision and get it as the answer, so
+one key is never bound twice. A proposal for a bound key answers the existing binding
+(and counts as a use for the reaper).
+
+`ArbiterRole` is what a leader election plugs into: `become_leader(epoch)` makes this
+node's arbiter answer proposals, stamping `epoch` on every decision;
+`become_follower(leader_node_id, epoch)` makes it refuse them (the cluster node then
+sends its proposals to the leader; None: no leader known, proposals wait) and fences
+answers of an older epoch (`fence`, shared with the election); `backup_changed` tells
+the leader which node to replicate to (`replication.Replicator`). Without
+ZooKeeper the statically configured LOCAL node calls `become_leader(0)` at start and
+says the arbiter is a single point of failure; REMOTE nodes learn the leader from the
+peers' announcements.
+
+Invariants: at most one binding per key; `Binding.ready` is set only once the decision
+is durable (and replicated); a decision of epoch e is never made while the node is not
+leader of epoch e (`NotArbiter`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from amqbroker.cluster.decisions import BIND, UNBIND, Decision, DecisionLog
+from amqbroker.cluster.election import Fence
+
+log = logging.getLogger(__name__)
+
+SPOF_WARNING = "the grouping arbiter is a single point of failure (no ZooKeeper configured)"
+
+
+class NotArbiter(Exception):
+    """This node is not the arbiter (any more)."""
+
+
+@dataclass
+class Binding:
+    key: str
+    node: str
+    queue: str
+    epoch: int
+    last_used: float
+    ready: trio.Event = field(default_factory=trio.Event)
+    #: set with `ready` when the decision could not be made (fenced): waiters retry
+    failed: bool = False
+
+
+class Arbiter:
+    def __init__(
+        self,
+        decision_log: DecisionLog | None,
+        clock: Callable[[], float],
+        *,
+        in_thread: bool = True,
+    ) -> None:
+        self.log = decision_log
+        self.clock = clock
+        self.in_thread = in_thread
+        self.bindings: dict[str, Binding] = {}
+        self.replicas: list[Callable[[Decision], Awaitable[None]]] = []
+        self.leading = False
+        self.epoch = 0
+        self.decisions = 0
+
+    def load(self) -> int:
+        if self.log is None:
+            return 0
+        now = self.clock()
+        for d in self.log.load().values():
+            b = Binding(d.key, d.node, d.queue, d.epoch, now)
+            b.ready.set()
+            self.bindings[d.key] = b
+        return len(self.bindings)
+
+    def add_replica(self, send: Callable[[Decision], Awaitable[None]]) -> None:
+        """Every later decision is awaited on `send` before the answer (the backup)."""
+        self.replicas.append(send)
+
+    def remove_replica(self, send: Callable[[Decision], Awaitable[None]]) -> None:
+        if send in self.replicas:
+            self.replicas.remove(send)
+
+    async def _persist(self, d: Decision) -> None:
+        if self.log is not None:
+            if self.in_thread:
+                await trio.to_thread.run_sync(self.log.append, [d])
+            else:
+                self.log.append([d])
+        for send in list(self.replicas):
+            await send(d)
+        self.decisions += 1
+
+    def lookup(self, key: str, *, touch: bool = True) -> Binding | None:
+        b = self.bindings.get(key)
+        if b is not None and touch:
+            b.last_used = self.clock()
+        return b
+
+    async def propose(self, key: str, node: str, queue: str) -> tuple[Binding, bool]:
+        """(binding, accepted). Raises NotArbiter when not leading."""
+        if not self.leading:
+            raise NotArbiter(key)
+        b = self.bindings.get(key)
+        if b is not None:
+            b.last_used = self.clock()
+            await b.ready.wait()
+            if b.failed:
+                raise NotArbiter(key)
+            return b, False
+        epoch = self.epoch
+        b = Binding(key, node, queue, epoch, self.clock())
+        self.bindings[key] = b
+        try:
+            await self._persist(Decision(BIND, key, node, queue, epoch))
+        except BaseException:
+            if self.bindings.get(key) is b:
+                del self.bindings[key]
+            b.failed = True
+            b.ready.set()
+            raise
+        b.ready.set()
+        return b, True
+
+    async def remove(self, key: str) -> Binding | None:
+        """Unbind (reaper, node loss, operator); persisted like a bind."""
+        b = self.bindings.pop(key, None)
+        if b is None:
+            return None
+        await self._persist(Decision(UNBIND, key, b.node, b.queue, self.epoch))
+        return b
+
+    def install(self, d: Decision) -> None:
+        """Apply a decision received as a replica (the backup's copy of the table)."""
+        if d.kind == BIND:
+            b = Binding(d.key, d.node, d.queue, d.epoch, self.clock())
+            b.ready.set()
+            self.bindings[d.key] = b
+        else:
+            self.bindings.pop(d.key, None)
+
+    def snapshot(self) -> list[Decision]:
+        """Every decided binding, as decisions (what a new backup starts from)."""
+        return [
+            Decision(BIND, b.key, b.node, b.queue, b.epoch)
+            for b in self.bindings.values()
+            if b.ready.is_set() and not b.failed
+        ]
+
+    def bound_to(self, node: str) -> list[str]:
+        return [k for k, b in self.bindings.items() if b.node == node]
+
+    def idle(self, older_than: float) -> list[str]:
+        return [
+            k for k, b in self.bindings.items() if b.last_used < older_than and b.ready.is_set()
+        ]
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+class ArbiterRole:
+    """Who arbitrates grouping, at which epoch. Called by the election (ZooKeeper) or,
+    without it, by the static configuration."""
+
+    def __init__(
+        self,
+        node_id: str,
+        arbiter: Arbiter,
+        on_change: Callable[[], None] | None = None,
+        fence: Fence | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.arbiter = arbiter
+        self.on_change = on_change
+        #: the highest epoch known; the election's own fence when there is one
+        self.fence = fence if fence is not None else Fence()
+        self.leader_id: str | None = None
+        self.epoch = 0
+        #: with an election: the second in line (the leader replicates to it)
+        self.backup_id: str | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.arbiter.leading
+
+    def become_leader(self, epoch: int) -> None:
+        if epoch < self.epoch:
+            log.warning("ignoring leadership of stale epoch %d (current %d)", epoch, self.epoch)
+            return
+        self.fence.raise_to(epoch)
+        self.epoch = epoch
+        self.leader_id = self.node_id
+        self.arbiter.epoch = epoch
+        self.arbiter.leading = True
+        log.info("this node is the grouping arbiter (epoch %d)", epoch)
+        if self.on_change is not None:
+            self.on_change()
+
+    def become_follower(self, leader_node_id: str | None, epoch: int) -> None:
+        """`leader_node_id` None: no arbiter known right now (takeover in progress, or
+        this node lost ZooKeeper); proposals wait and are re-sent once one is known."""
+        if epoch < self.epoch:
+            return
+        self.fence.raise_to(epoch)
+        was_leading = self.arbiter.leading
+        self.arbiter.leading = False
+        changed = was_leading or leader_node_id != self.leader_id or epoch != self.epoch
+        self.leader_id = leader_node_id
+        self.epoch = epoch
+        if changed:
+            if leader_node_id is None:
+                log.info("no grouping arbiter known (epoch %d): new groups wait", epoch)
+            else:
+                log.info("the grouping arbiter is %s (epoch %d)", leader_node_id, epoch)
+            if self.on_change is not None:
+                self.on_change()
+
+    def become_backup(self, leader_node_id: str | None, epoch: int) -> None:
+        """Second in line: a follower that also receives every decision (ReplicaStore)."""
+        self.become_follower(leader_node_id, epoch)
+
+    def backup_changed(self, backup_node_id: str | None) -> None:
+        if backup_node_id != self.backup_id:
+            self.backup_id = backup_node_id
+            if self.on_change is not None:
+                self.on_change()

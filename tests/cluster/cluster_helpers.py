@@ -1,0 +1,161 @@
+"""Three real broker processes on 127.0.0.1 forming a cluster (issue 15 tests).
+
+`Cluster.start` picks free ports, writes nothing to disk but the data directories,
+and starts node1 (LOCAL arbiter), node2 and node3 (REMOTE) with `cluster_peers`
+pointing at each other; `peer_override` lets a test route one node's link to a peer
+through a proxy port instead (`TcpProxy`). `wait_linked` waits until every node
+reports every peer link up (via `clusterStatus` on `$management`).
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import trio
+from proton import Message
+
+from tests.client import Client
+from tests.integration.broker_process import BrokerProcess, BrokerProcesses
+
+NODES = ("node1", "node2", "node3")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self, procs: BrokerProcesses, root: Path, nursery: trio.Nursery) -> None:
+        self.procs = procs
+        self.root = root
+        self.nursery = nursery
+        self.ports = {n: free_port() for n in NODES}
+        self.proc: dict[str, BrokerProcess] = {}
+        self.peer_override: dict[tuple[str, str], int] = {}
+        self.extra_env: dict[str, str] = {}
+
+    def env(self, node: str) -> dict[str, str]:
+        peers = ",".join(
+            f"{p}=127.0.0.1:{self.peer_override.get((node, p), self.ports[p])}"
+            for p in NODES
+            if p != node
+        )
+        env = {
+            "AMQBROKER_CLUSTER_NODE_ID": node,
+            "AMQBROKER_CLUSTER_PEERS": peers,
+            "AMQBROKER_CLUSTER_GROUPING": "LOCAL" if node == "node1" else "REMOTE",
+            "AMQBROKER_CLUSTER_RECONNECT_INITIAL": "0.05",
+            "AMQBROKER_CLUSTER_RECONNECT_MAX": "0.5",
+            "AMQBROKER_CLUSTER_NODE_TIMEOUT": "2",
+            "AMQBROKER_CLUSTER_TOPOLOGY_PERIOD": "0.05",
+            "AMQBROKER_SHUTDOWN_TIMEOUT": "2",
+            "AMQBROKER_STORE_SYNC": "false",
+        }
+        env.update(self.extra_env)
+        return env
+
+    async def start_node(self, node: str) -> BrokerProcess:
+        bp = await self.procs.start(self.root / node, env=self.env(node), port=self.ports[node])
+        self.proc[node] = bp
+        return bp
+
+    async def start(self, nodes: tuple[str, ...] = NODES) -> None:
+        for n in nodes:
+            await self.start_node(n)
+
+    async def connect(self, node: str) -> Client:
+        return await Client.connect(self.ports[node], nursery=self.nursery)
+
+    async def status(self, node: str) -> dict[str, Any]:
+        async with await self.connect(node) as c:
+            return dict(await mgmt(c, "clusterStatus", "org.amqbroker.cluster"))
+
+    async def wait_linked(self, nodes: tuple[str, ...] = NODES, timeout: float = 15) -> None:
+        with trio.fail_after(timeout):
+            for n in nodes:
+                while True:
+                    st = await self.status(n)
+                    ups = {p["node"] for p in st["peers"] if p["link"] == "up"}
+                    if set(nodes) - {n} <= ups and (n == "node1" or st["arbiter"] == "node1"):
+                        break
+                    await trio.sleep(0.05)
+
+
+async def mgmt(c: Client, operation: str, typ: str, body: Any = None) -> Any:
+    reply = await c.receiver(None, dynamic=True, credit=1)
+    s = await c.sender("$management")
+    await s.send(
+        Message(
+            id=str(uuid.uuid4()),
+            reply_to=reply.address,
+            properties={"operation": operation, "type": typ},
+            body=body,
+        )
+    )
+    r = await reply.receive()
+    reply.accept(r)
+    props = r.properties
+    assert props.get("statusCode") == 200, props
+    await s.close()
+    await reply.close()
+    return r.body
+
+
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1 that the test can cut (drop every connection and
+    refuse new ones) and restore."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.port = free_port()
+        self.enabled = True
+        self._scopes: list[trio.CancelScope] = []
+        self.connections = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listener = (await trio.open_tcp_listeners(self.port, host="127.0.0.1"))[0]
+        task_status.started()
+        async with listener, trio.open_nursery() as n:
+            while True:
+                stream = await listener.accept()
+                if not self.enabled:
+                    await stream.aclose()
+                    continue
+                n.start_soon(self._handle, stream)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        try:
+            server = await trio.open_tcp_stream("127.0.0.1", self.target)
+        except OSError:
+            await client.aclose()
+            return
+        self.connections += 1
+        scope = trio.CancelScope()
+        self._scopes.append(scope)
+        with scope:
+            async with client, server, trio.open_nursery() as n:
+                n.start_soon(self._pipe, client, server, n.cancel_scope)
+                n.start_soon(self._pipe, server, client, n.cancel_scope)
+        self._scopes.remove(scope)
+
+    @staticmethod
+    async def _pipe(a: trio.SocketStream, b: trio.SocketStream, scope: trio.CancelScope) -> None:
+        try:
+            async for chunk in a:
+                await b.send_all(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        scope.cancel()
+
+    def cut(self) -> None:
+        self.enabled = False
+        for scope in self._scopes:
+            scope.cancel()
+
+    def restore(self) -> None:
+        self.enabled = True

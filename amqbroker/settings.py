@@ -184,6 +184,18 @@ class AddressConfig(BaseModel):
     durable: bool = True
 
 
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _node_id(value: str) -> str:
+    if value and not _NODE_ID.fullmatch(value):
+        raise ValueError(
+            "must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or "
+            "digit (it names a directory), or empty for <hostname>-<port>"
+        )
+    return value
+
+
 class _CrossFieldError(ValueError):
     """A problem involving several settings; `fields` (name -> value) are named in it."""
 
@@ -254,6 +266,16 @@ class Settings(BaseSettings):
     dispatch_batch: ConfigInt = Field(default=10000, ge=1)
     global_max_size: ConfigInt = Field(default=1 << 30, ge=-1)
 
+    # node identity and the delivery log
+    node_id: Annotated[str, AfterValidator(_node_id)] = ""
+    delivery_log: bool = False
+    delivery_log_format: Literal["parquet", "jsonl"] = "parquet"
+    delivery_log_rotate_bytes: ConfigInt = Field(default=64 * MIB, ge=4 * KIB)
+    delivery_log_max_bytes: ConfigInt = Field(default=1 << 30, ge=-1)
+    delivery_log_buffer_records: ConfigInt = Field(default=200_000, ge=100)
+    delivery_log_overflow: Literal["block", "drop"] = "block"
+    delivery_log_flush_interval: ConfigFloat = Field(default=1.0, gt=0, le=3600)
+
     # addresses
     address_settings: dict[AddressPattern, AddressSettings] = Field(
         default_factory=lambda: {"#": AddressSettings()}
@@ -299,6 +321,15 @@ class Settings(BaseSettings):
                 "with `amqbroker hash-password` and add it under [users] in the config file "
                 '(alice = "pbkdf2-sha256$...") or as AMQBROKER_USERS=\'{"alice": "<hash>"}\', '
                 "or set require_auth = false",
+            )
+        if 0 <= self.delivery_log_max_bytes < 2 * self.delivery_log_rotate_bytes:
+            raise _CrossFieldError(
+                {
+                    "delivery_log_max_bytes": self.delivery_log_max_bytes,
+                    "delivery_log_rotate_bytes": self.delivery_log_rotate_bytes,
+                },
+                "delivery_log_max_bytes must be at least twice delivery_log_rotate_bytes "
+                "(or -1 for no bound), so that the newest complete file is kept",
             )
         seen: dict[tuple[str, int], str] = {}
         if self.port:

@@ -77,7 +77,9 @@ from amqbroker.protocol.connection import AmqpConnection, ConnectionLimits
 from amqbroker.protocol.fastpath import check_binding
 from amqbroker.protocol.links import ConsumerLink, SyncTracker
 from amqbroker.protocol.management import ManagementNode
+from amqbroker.protocol.scanner import log_message_id
 from amqbroker.settings import Settings, parse_listener
+from amqbroker.store.delivery_log import DeliveryLogWriter, pyarrow_available
 from amqbroker.store.journal import Journal
 from amqbroker.store.paging import PageStore
 from amqbroker.telemetry import Telemetry, TelemetryError
@@ -113,6 +115,11 @@ class BrokerApp:
         #: TLS handshakes in progress (they count towards max_connections)
         self._tls_handshakes = 0
         self.journal: Journal | None = None
+        #: this broker's name (node_id, or <hostname>-<port> once listening)
+        self.node_id = settings.node_id
+        #: the delivery log writer (None when delivery_log is off)
+        self.dlog: DeliveryLogWriter | None = None
+        self._dlog_lot = trio.lowlevel.ParkingLot()
         self.broker: Broker | None = None
         self.recovered_messages = 0
         self.recovered_queues = 0
@@ -120,6 +127,7 @@ class BrokerApp:
         self._store_lot = trio.lowlevel.ParkingLot()
         #: one batch at a time: the writer loop and the final flush both commit
         self._store_lock = trio.Lock()
+        self._dlog_lock = trio.Lock()
         self._timer_lot = trio.lowlevel.ParkingLot()
         self._deferred_lot = trio.lowlevel.ParkingLot()
         self._depage_lot = trio.lowlevel.ParkingLot()
@@ -195,6 +203,27 @@ class BrokerApp:
         pager = PageStore(data_dir / "paging", segment_size=s.page_size_bytes, sync=s.store_sync)
         self.pager = pager
         self.timers = Timers(on_change=self._timer_lot.unpark_all)
+        if s.delivery_log:
+            if s.delivery_log_format == "parquet" and not pyarrow_available():
+                journal.close()
+                raise StartupError(
+                    "delivery_log_format = parquet needs pyarrow, which is not installed: "
+                    "install it with pip install 'amqbroker[spark]', or set "
+                    "delivery_log_format = jsonl"
+                )
+            self.dlog = DeliveryLogWriter(
+                data_dir / "delivery-log",
+                file_format=s.delivery_log_format,
+                rotate_bytes=s.delivery_log_rotate_bytes,
+                max_bytes=s.delivery_log_max_bytes,
+                buffer_records=s.delivery_log_buffer_records,
+                overflow=s.delivery_log_overflow,
+                # wall-clock time (a C call, no Python frame): the audit compares
+                # timestamps across nodes
+                clock=time.time,
+                message_id=log_message_id,
+                wake=self._dlog_lot.unpark_all,
+            )
         broker = Broker(
             address_settings=AddressSettingsRepository(s.address_settings),
             persistence=journal,
@@ -211,6 +240,7 @@ class BrokerApp:
             page_low_water=s.page_low_water,
             page_read_ahead=s.page_read_ahead_bytes,
             depage_wake=self._depage_lot.unpark_all,
+            delivery_log=self.dlog,
         )
         self.broker = broker
         for rq in recovered.queues:
@@ -316,12 +346,26 @@ class BrokerApp:
             raise StartupError(str(exc)) from exc
         self.listening = [bound_address(sk) for sk in sockets]
         self.tls_listening = [bound_address(sk) for sk in tls_sockets]
+        self.node_id = s.node_id or f"{socket.gethostname()}-{self.listening[0][1]}"
+        if self.dlog is not None:
+            try:
+                self.dlog.open(self.node_id)
+            except OSError as exc:
+                for sk in sockets:
+                    sk.close()
+                self._close_store()
+                raise StartupError(
+                    f"cannot open the delivery log in {self.dlog.root}: {exc}; fix the "
+                    "directory or set delivery_log = false"
+                ) from exc
         try:
             async with trio.open_nursery() as root:
                 root.start_soon(self._store_loop)
                 root.start_soon(self._timer_loop)
                 root.start_soon(self._deferred_loop)
                 root.start_soon(self._depage_loop)
+                if self.dlog is not None:
+                    root.start_soon(self._dlog_loop)
                 if s.expiry_scan_period > 0:
                     root.start_soon(self._expiry_loop)
                 if self.cluster is not None:
@@ -366,6 +410,7 @@ class BrokerApp:
         finally:
             with trio.CancelScope(shield=True):
                 await self._final_flush()
+                await self._dlog_final_flush()
             self._close_store()
             if self.telemetry is not None:
                 self.telemetry.shutdown()
@@ -623,6 +668,54 @@ class BrokerApp:
             finally:
                 self.journal = None
 
+    # ---------------------------------------------------- delivery log writer
+    async def _dlog_loop(self) -> None:
+        """Write the delivery log buffer in a worker thread: every
+        delivery_log_flush_interval, or at once when it is a quarter full."""
+        w = self.dlog
+        assert w is not None
+        interval = self.settings.delivery_log_flush_interval
+        while True:
+            if w.pending < w.take_at:
+                with trio.move_on_after(interval):
+                    await self._dlog_lot.park()
+            async with self._dlog_lock:
+                await self._dlog_write(w)
+            self.hub.flush()  # producers resumed by take_batch get their credit
+
+    async def _dlog_write(self, w: DeliveryLogWriter) -> bool:
+        batch = w.take_batch()
+        if batch is None:
+            return False
+        try:
+            # shielded: a batch taken from the buffer is written even when the loop
+            # is cancelled at shutdown (the final flush writes what is left)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(w.write_batch, batch)
+        except Exception as exc:  # an OSError, or a bug: never stop the broker for it
+            w.dropped += len(batch)
+            log.error(
+                "cannot write the delivery log in %s: %s; %d record(s) lost (free disk "
+                "space or fix the directory; the broker goes on)",
+                w.directory,
+                exc,
+                len(batch),
+            )
+            w.abandon_file()
+        return True
+
+    async def _dlog_final_flush(self) -> None:
+        w = self.dlog
+        if w is None:
+            return
+        async with self._dlog_lock:
+            while await self._dlog_write(w):
+                pass
+            try:
+                await trio.to_thread.run_sync(w.close)
+            except OSError as exc:
+                log.error("cannot close the delivery log file: %s", exc)
+
     # ----------------------------------------------------------- core timers
     async def _timer_loop(self) -> None:
         timers = self.timers
@@ -750,6 +843,8 @@ class BrokerApp:
             stats["store"] = self.journal.statistics()
         if self.pager is not None:
             stats["paging"] = self.pager.statistics()
+        if self.dlog is not None:
+            stats["delivery_log"] = self.dlog.statistics()
         stats["queues"] = {q.name: q.statistics() for q in self.broker.queues.values()}
         stats["limits"] = {
             "connections_refused_per_address": self.refused_per_address,

@@ -252,6 +252,18 @@ def _cluster_peer(text: str) -> str:
     return text
 
 
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _node_id(value: str) -> str:
+    if value and not _NODE_ID.fullmatch(value):
+        raise ValueError(
+            "must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or "
+            "digit (it names a directory), or empty for <hostname>-<port>"
+        )
+    return value
+
+
 class _CrossFieldError(ValueError):
     """A problem involving several settings; `fields` (name -> value) are named in it."""
 
@@ -367,6 +379,7 @@ class Settings(BaseSettings):
     grouping_reaper_period: ConfigInt = Field(default=30000, ge=0)
     grouping_timeout_policy: Literal["reject", "ungrouped"] = "reject"
     grouping_retries: ConfigInt = Field(default=10, ge=0, le=1000)
+    grouping_consumerless_timeout: ConfigInt = Field(default=-1, ge=-1)
 
     # slow consumers (amqbroker.core.slow_consumers)
     slow_consumer_threshold: Annotated[ConfigFloat, AfterValidator(_off_or_positive)] = -1.0
@@ -381,6 +394,16 @@ class Settings(BaseSettings):
     otlp_export_interval: ConfigFloat = Field(default=30.0, gt=0, le=86400)
     tracing: bool = False
     tracing_sample_ratio: ConfigFloat = Field(default=1.0, ge=0, le=1)
+
+    # node identity and the delivery log
+    node_id: Annotated[str, AfterValidator(_node_id)] = ""
+    delivery_log: bool = False
+    delivery_log_format: Literal["parquet", "jsonl"] = "parquet"
+    delivery_log_rotate_bytes: ConfigInt = Field(default=64 * MIB, ge=4 * KIB)
+    delivery_log_max_bytes: ConfigInt = Field(default=1 << 30, ge=-1)
+    delivery_log_buffer_records: ConfigInt = Field(default=200_000, ge=100)
+    delivery_log_overflow: Literal["block", "drop"] = "block"
+    delivery_log_flush_interval: ConfigFloat = Field(default=1.0, gt=0, le=3600)
 
     # addresses
     address_settings: dict[AddressPattern, AddressSettings] = Field(
@@ -475,6 +498,15 @@ class Settings(BaseSettings):
                     "cluster_reconnect_max": self.cluster_reconnect_max,
                 },
                 "cluster_reconnect_initial must not exceed cluster_reconnect_max",
+            )
+        if 0 <= self.delivery_log_max_bytes < 2 * self.delivery_log_rotate_bytes:
+            raise _CrossFieldError(
+                {
+                    "delivery_log_max_bytes": self.delivery_log_max_bytes,
+                    "delivery_log_rotate_bytes": self.delivery_log_rotate_bytes,
+                },
+                "delivery_log_max_bytes must be at least twice delivery_log_rotate_bytes "
+                "(or -1 for no bound), so that the newest complete file is kept",
             )
         seen: dict[tuple[str, int], str] = {}
         if self.port:

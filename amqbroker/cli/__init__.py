@@ -15,6 +15,7 @@ Commands::
     amqbroker producer|consumer|browser ADDRESS
     amqbroker perf [perf options]        the load client (scripts/perf.py)
     amqbroker cluster status [--bindings] nodes, links, arbiter and epoch
+    amqbroker audit PATH... [--master URL] [--out DIR]   the PySpark delivery audit
 
 Every command that talks to a broker takes --url, --user, --password (or
 AMQBROKER_URL, AMQBROKER_USER, AMQBROKER_PASSWORD); every table has --json. Exit
@@ -30,7 +31,7 @@ from __future__ import annotations
 import click
 
 from amqbroker import __version__
-from amqbroker.cli import admin, cluster, messaging, perf, server
+from amqbroker.cli import admin, audit, cluster, messaging, perf, server
 
 
 @click.group()
@@ -53,6 +54,7 @@ for _command in (
     messaging.browser,
     perf.perf,
     cluster.cluster,
+    audit.audit,
 ):
     main.add_command(_command)
 

@@ -14,7 +14,8 @@ is full (`Queue._page_out`) and read them back once it is below its low-water ma
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -63,6 +64,33 @@ class MemoryBudget:
                 self.waiting.add(a)
 
 
+class DuplicateWindow:
+    """The last `size` duplicate ids routed to an address (Artemis's duplicate-id
+    cache): a ring (deque) for the order and a set for the look-up, O(1) per message.
+
+    Invariant: `ids` holds exactly the elements of `order` (at most `size`)."""
+
+    __slots__ = ("ids", "order", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.ids: set[Hashable] = set()
+        self.order: deque[Hashable] = deque()
+
+    def seen(self, key: Hashable) -> bool:
+        """True if `key` is in the window; otherwise remember it (evicting the oldest
+        id when the window is full) and return False."""
+        ids = self.ids
+        if key in ids:
+            return True
+        ids.add(key)
+        order = self.order
+        order.append(key)
+        if len(order) > self.size:
+            ids.discard(order.popleft())
+        return False
+
+
 class Producer(Protocol):
     def resume(self) -> None:
         """Space is available again: grant credit."""
@@ -73,6 +101,7 @@ class Address:
         "auto_created",
         "blocked_producers",
         "budget",
+        "dedup",
         "full_policy",
         "max_size",
         "name",
@@ -108,6 +137,12 @@ class Address:
         self.budget = budget if budget is not None else MemoryBudget()
         #: producer links currently attached with this address as target
         self.producers = 0
+        #: duplicate-detection window (address setting duplicate_detection_window);
+        #: None = off
+        self.dedup: DuplicateWindow | None = None
+        n = getattr(settings, "duplicate_detection_window", 0)
+        if n:
+            self.dedup = DuplicateWindow(n)
 
     @property
     def full(self) -> bool:

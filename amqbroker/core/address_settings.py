@@ -213,6 +213,9 @@ class ResolvedAddressSettings(BaseModel):
     group_unbind_on_undeliverable: bool = False
     #: milliseconds a rebalance may pause dispatch; -1 = no limit
     group_pause_dispatch_timeout: MillisOrForever = -1
+    #: recent duplicate ids (message-id, or _AMQ_DUPL_ID) remembered per address;
+    #: a message whose id is among them is accepted and dropped. 0 = off
+    duplicate_detection_window: Count = 0
 
 
 #: fields where "" on input means "explicitly none" (resolved to None)
@@ -262,6 +265,7 @@ class AddressSettings(BaseModel):
     group_owner_policy: OwnerPolicy | None = None
     group_unbind_on_undeliverable: bool | None = None
     group_pause_dispatch_timeout: MillisOrForever | None = None
+    duplicate_detection_window: Count | None = None
 
     def set_fields(self) -> dict[str, object]:
         """The fields this entry sets (not None), by field name."""

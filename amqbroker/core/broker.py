@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from amqbroker.core import delivery_log as dl
 from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
 from amqbroker.core.address_settings import (
     AddressSettingsRepository,
@@ -33,6 +34,7 @@ from amqbroker.core.address_settings import (
     queue_config,
 )
 from amqbroker.core.codec import MessageCodec, PlainCodec
+from amqbroker.core.delivery_log import DeliveryLog
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import (
     BrokerError,
@@ -114,9 +116,12 @@ class Broker:
         depage_wake: Callable[[], object] | None = None,
         age_resolution: float = 1.0,
         age_marks: int = 1024,
+        delivery_log: DeliveryLog | None = None,
     ) -> None:
         self.settings_repo = address_settings or AddressSettingsRepository({})
         self.store: Persistence = persistence or NoPersistence()
+        #: the delivery log (None = off); queues read it when they are created
+        self.dlog = delivery_log
         self.clock = clock
         self.timers = timers if timers is not None else Timers()
         self.codec: MessageCodec = codec or PlainCodec()
@@ -148,6 +153,7 @@ class Broker:
         self.dropped_dead_letters = 0
         #: clustered routing hook (None: single node)
         self.router: Router | None = None
+        self.duplicates_dropped = 0
 
     # ------------------------------------------------------------- settings
     def resolve(self, address: str) -> ResolvedAddressSettings:
@@ -509,6 +515,14 @@ class Broker:
         )
         q.restore(entries)
         q.restore_paged(0, 0, 0, int(attributes.get("paged_through", 0)))
+        w = a.dedup
+        if w is not None:
+            # the window is not journaled: after a restart it holds the ids of the
+            # messages recovered (still queued); ids of consumed messages are forgotten
+            for e in q.browse():
+                key = self.codec.duplicate_id(e.data)
+                if key is not None:
+                    w.seen(key)
         return q
 
     def delete_queue(self, q: Queue) -> list[Any]:
@@ -596,6 +610,20 @@ class Broker:
             self.store.queue_declared(q.qid, q.name, self._queue_attributes(q))
             self.store.end_atomic()
 
+    def is_duplicate(self, a: Address, data: bytes) -> bool:
+        """Duplicate detection (address setting duplicate_detection_window): True when
+        the message's duplicate id (application property _AMQ_DUPL_ID, else the
+        message-id) is in the address's window; the caller accepts and drops it.
+        Otherwise the id joins the window. A message without either is never one."""
+        w = a.dedup
+        if w is None:
+            return False
+        key = self.codec.duplicate_id(data)
+        if key is None or not w.seen(key):
+            return False
+        self.duplicates_dropped += 1
+        return True
+
     def address_for_relay(self, to: str, data: bytes | None = None) -> Address:
         """Anonymous relay: the per-message `to` address. A new address gets the
         routing type the message names (Qpid JMS's `x-opt-jms-dest`: queue or topic)."""
@@ -621,6 +649,8 @@ class Broker:
         return bool(self._pending)
 
     def dead_letter(self, queue: Queue, entry: Entry, reason: str) -> None:
+        if self.dlog is not None:
+            self.dlog.event(dl.DEAD_LETTERED, queue.name, entry)
         a = queue.address
         r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
         dla = r.dead_letter_address
@@ -645,6 +675,8 @@ class Broker:
         self._reroute(dla, entry, annotations, keep_expiry=True)
 
     def expired(self, queue: Queue, entry: Entry) -> None:
+        if self.dlog is not None:
+            self.dlog.event(dl.EXPIRED, queue.name, entry)
         a = queue.address
         r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
         ea = r.expiry_address
@@ -681,6 +713,7 @@ class Broker:
             entry.group_id,
             entry.group_seq,
         )
+        copy.trace = entry.trace
         if a.queues:
             self.route(a, copy)
 
@@ -820,6 +853,7 @@ class Broker:
             "routed": self.routed,
             "dropped_no_route": self.dropped_no_route,
             "dropped_dead_letters": self.dropped_dead_letters,
+            "duplicates_dropped": self.duplicates_dropped,
             "pending_dispatch": len(self._pending),
         }
 

@@ -6,7 +6,7 @@ functions); core tests can use `PlainCodec`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -22,6 +22,11 @@ class MessageCodec(Protocol):
 
     def message_id(self, data: bytes) -> object:
         """properties.message-id, or None."""
+        ...
+
+    def duplicate_id(self, data: bytes) -> Hashable | None:
+        """The id duplicate detection compares: application property _AMQ_DUPL_ID
+        when present, else properties.message-id; None when neither (or malformed)."""
         ...
 
     def selector_filter(self, selector: str) -> Callable[[Entry], bool]:
@@ -42,6 +47,9 @@ class PlainCodec:
         return data
 
     def message_id(self, data: bytes) -> object:
+        return None
+
+    def duplicate_id(self, data: bytes) -> Hashable | None:
         return None
 
     def selector_filter(self, selector: str) -> Callable[[Entry], bool]:

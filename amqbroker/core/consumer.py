@@ -43,6 +43,7 @@ class Consumer:
         "idle_marks",
         "inflight",
         "last_delivery",
+        "log_id",
         "name",
         "parked_groups",
         "presettled",
@@ -68,6 +69,8 @@ class Consumer:
         self.presettled = presettled
         self.connection_id = connection_id
         self.container_id = container_id
+        #: "<connection id>/<link name>": the consumer column of the delivery log
+        self.log_id = f"{connection_id}/{name}" if connection_id else None
         self.queue: Queue | None = None
         self.credit = 0
         self.blocked = False

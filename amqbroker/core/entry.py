@@ -36,6 +36,7 @@ class Entry:
         "priority",
         "seq",
         "store_ref",
+        "trace",
     )
 
     def __init__(
@@ -74,6 +75,9 @@ class Entry:
         self.fields: Any = None
         #: id of the connection that sent the message (no-local); None when unknown
         self.origin: str | None = None
+        #: delivery log only: (message-id text, producer id), set at `received` or
+        #: on the first event; None while the log is off
+        self.trace: tuple[str | None, str | None] | None = None
 
     @property
     def size(self) -> int:
@@ -93,6 +97,7 @@ class Entry:
         e.deliver_at = self.deliver_at
         e.fields = self.fields
         e.origin = self.origin
+        e.trace = self.trace
         return e
 
     def __repr__(self) -> str:

@@ -53,7 +53,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from amqbroker.core import delivery_log as dl
 from amqbroker.core.consumer import Consumer
+from amqbroker.core.delivery_log import DeliveryLog
 from amqbroker.core.entry import Entry
 from amqbroker.core.groups import EXCLUSIVE, Group, bucket_of, key_name
 from amqbroker.core.persistence import NoPersistence, Persistence
@@ -175,6 +177,8 @@ class Queue:
         self._clock = host.clock
         self._timers = host.timers
         self._store: Persistence = persistence if persistence is not None else NoPersistence()
+        #: the delivery log, None when off (each event site tests this once)
+        self._dlog: DeliveryLog | None = getattr(host, "dlog", None)
         self.deleted = False
         self._levels: list[deque[Entry]] = [deque() for _ in range(LEVELS)]
         self._top = -1
@@ -286,6 +290,8 @@ class Queue:
             a.size += n
             a.budget.used += n
         self.enqueued += 1
+        if self._dlog is not None:
+            self._dlog.event(dl.ROUTED, self.name, e)
         if self.durable and e.durable:
             self._store.message_added(self.qid, e)
         if e.deliver_at and self._schedule(e):
@@ -617,10 +623,15 @@ class Queue:
             c.settled += 1  # slow-consumer counters: settled when sent
             if not self._main and not c.parked_groups:
                 c.idle_marks += 1
+            if self._dlog is not None:
+                self._dlog.event(dl.DISPATCHED, self.name, e, c)
+                self._dlog.event(dl.SETTLED, self.name, e, c, dl.ACCEPTED)
         else:
             c.inflight += 1
             self.inflight += 1
             c.deliver(e, first)
+            if self._dlog is not None:
+                self._dlog.event(dl.DISPATCHED, self.name, e, c)
 
     def _bind(self, key: Any, c: Consumer) -> Group:
         self.group_owner_changes += 1
@@ -735,10 +746,13 @@ class Queue:
         self._consumers_n -= 1
         back: list[Entry] = []
         n = 0
+        dlog = self._dlog
         for e in unsettled:
             n += 1
             if not failed or self._count_failure(e):
                 back.append(e)
+                if dlog is not None:
+                    dlog.event(dl.RELEASED, self.name, e, c)
         self.inflight -= n
         c.inflight = 0
         released: list[Entry] = []
@@ -859,6 +873,8 @@ class Queue:
             g = self._groups.get(e.gkey)
             if g is not None:
                 g.settled_at = self._coarse
+        if self._dlog is not None:
+            self._dlog.event(dl.SETTLED, self.name, e, c, dl.ACCEPTED)
         self._remove(e)
         if self._paused and not self.inflight:
             self._check_pause()
@@ -867,6 +883,8 @@ class Queue:
         """`rejected`: dead-letter (or drop when no dead-letter address is set)."""
         c.inflight -= 1
         self.inflight -= 1
+        if self._dlog is not None:
+            self._dlog.event(dl.SETTLED, self.name, e, c, dl.REJECTED)
         # the copy is routed before the original is acknowledged: a crash in between
         # can duplicate the message, never lose it
         self.dead_lettered += 1
@@ -898,6 +916,14 @@ class Queue:
         self.inflight -= 1
         if e.gkey is not None:
             self._group_settled(e)
+        if self._dlog is not None:
+            self._dlog.event(
+                dl.SETTLED,
+                self.name,
+                e,
+                c,
+                dl.MODIFIED if (delivery_failed or undeliverable_here) else dl.RELEASED_OUTCOME,
+            )
         if delivery_failed and not self._count_failure(e):
             self._check_pause()
             self._settled_by(c)

@@ -189,6 +189,10 @@ class Transaction:
                     "transaction commit: message for %r dropped: %s", a.name, exc.description
                 )
                 return False
+        # duplicate detection applies when the send takes effect (a rolled-back send
+        # leaves no id behind, so its retry is not taken for a duplicate)
+        if cur.dedup is not None and broker.is_duplicate(cur, e.data):
+            return False
         # the FAIL check was made when the message was enlisted: the commit routes all
         return broker.route(cur, e, check_full=False) == ROUTED_SYNC
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 from amqbroker.core.address import ANYCAST, MULTICAST
 from amqbroker.core.codec import Annotation
@@ -34,6 +34,12 @@ class ScannerCodec:
     def message_id(self, data: bytes) -> object:
         try:
             return scanner.message_id(data)
+        except scanner.ScanError:
+            return None
+
+    def duplicate_id(self, data: bytes) -> Hashable | None:
+        try:
+            return scanner.duplicate_id(data)
         except scanner.ScanError:
             return None
 

@@ -42,6 +42,7 @@ from amqbroker.core.address import Address
 from amqbroker.core.authz import CACHED_ADDRESS_MAX
 from amqbroker.core.broker import PENDING, ROUTED_SYNC, Broker
 from amqbroker.core.consumer import Consumer
+from amqbroker.core.delivery_log import RECEIVED
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError, Unauthorized
 from amqbroker.core.queue import Queue
@@ -73,6 +74,7 @@ from amqbroker.protocol.fastpath import (
 from amqbroker.protocol.scanner import (
     ScanError,
     add_application_property,
+    log_message_id,
     scan,
     set_delivery_count,
 )
@@ -280,10 +282,12 @@ class ProducerLink:
         "conn",
         "credit",
         "denied",
+        "dlog",
         "fallback",
         "link",
         "max_size",
         "origin",
+        "producer_id",
         "ptr",
         "rbuf",
         "relay_ok",
@@ -332,6 +336,9 @@ class ProducerLink:
         )
         #: a relay transfer was refused for lack of permission (logged once per link)
         self.denied = False
+        #: the delivery log (None = off) and this producer's id in it
+        self.dlog = conn.broker.dlog
+        self.producer_id = f"{conn.conn_id}/{link.name}"
         self.fallback = True
         if address is not None and address.settings is not None:
             self.fallback = bool(address.settings.group_id_from_application_properties)
@@ -345,6 +352,13 @@ class ProducerLink:
             if not self.blocked:
                 self.blocked = True
                 a.block(self)
+            return
+        dlog = self.dlog
+        if dlog is not None and dlog.full:
+            # delivery_log_overflow = block: no credit until the writer catches up
+            if not self.blocked:
+                self.blocked = True
+                dlog.block(self)
             return
         want = self.window - self.credit
         if want > 0:
@@ -442,7 +456,19 @@ class ProducerLink:
             if dtime or ddelay:
                 # JMS delivery delay: x-opt-delivery-delay (relative) wins over time
                 e.deliver_at = int(broker.clock() * 1000) + ddelay if ddelay > 0 else dtime
-            if delivery_remote_state(d) == PN_TRANSACTIONAL:
+            transactional = delivery_remote_state(d) == PN_TRANSACTIONAL
+            if a.dedup is not None and not transactional and broker.is_duplicate(a, data):
+                # duplicate detection: accepted and dropped (a transaction's sends are
+                # checked when it commits)
+                if not presettled:
+                    delivery_update(d, PN_ACCEPTED)
+                delivery_settle(d)
+                return
+            dlog = self.dlog
+            if dlog is not None:
+                e.trace = (log_message_id(data), self.producer_id)
+                dlog.event(RECEIVED, a.name, e)
+            if transactional:
                 self._enlist(d, a, e, presettled)
                 return
             router = broker.router
@@ -591,6 +617,8 @@ class ProducerLink:
         if self.sync is not None:
             self.sync.waiters.discard(self)
         self.waiting.clear()
+        if self.dlog is not None:
+            self.dlog.forget(self)
         a = self.address
         if a is not None:
             a.forget(self)

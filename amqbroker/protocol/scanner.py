@@ -112,8 +112,11 @@ __all__ = [
     "add_application_property",
     "add_message_annotations",
     "application_properties",
+    "duplicate_id",
     "jms_dest",
+    "log_message_id",
     "message_id",
+    "message_id_text",
     "scan",
     "set_delivery_count",
 ]
@@ -1179,6 +1182,76 @@ def message_id(data: bytes) -> str | int | bytes | uuid.UUID | None:
     if isinstance(value, int) and c in _INTEGRAL:
         return value
     raise ScanError(f"message-id at offset {p} has unsupported type constructor 0x{c:02x}")
+
+
+def message_id_text(value: object) -> str | None:
+    """A message-id as text (delivery log): strings as they are, ulongs in decimal,
+    uuids in their canonical form, binaries in hex."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def log_message_id(data: bytes) -> str | None:
+    """The message-id as text for the delivery log, fast for a string id (what Qpid JMS
+    and most clients send): walks the section heads up to the properties and decodes
+    only their first field; other id types go through `message_id`. Never raises:
+    None when absent or malformed."""
+    try:
+        p = 0
+        n = len(data)
+        while p < n:
+            code, v = _section_head(data, p)
+            if code == _PROPERTIES:
+                c = data[v]
+                if c == 0xC0:
+                    cnt, q = data[v + 2], v + 3
+                elif c == 0xD0:
+                    cnt, q = _U32x2(data, v + 1)[1], v + 9
+                else:
+                    return None
+                if not cnt:
+                    return None
+                c = data[q]
+                if c == 0xA1:
+                    return data[q + 2 : q + 2 + data[q + 1]].decode()
+                if c == 0xB1:
+                    return data[q + 5 : q + 5 + _U32(data, q + 1)[0]].decode()
+                return message_id_text(message_id(data))
+            if code > _PROPERTIES:
+                return None
+            p = _skip(data, v)
+    except (ScanError, IndexError, struct.error, UnicodeDecodeError):
+        return None
+    return None
+
+
+_DUPL_ID_KEY = b"_AMQ_DUPL_ID"
+
+
+def duplicate_id(data: bytes) -> str | int | bytes | uuid.UUID | None:
+    """The id duplicate detection compares: the application property ``_AMQ_DUPL_ID``
+    (string or binary, as Artemis clients send it) when present, else the message-id.
+    Raises ScanError on a malformed message. Reads only the properties' first field and
+    the application-properties keys (values are skipped by size)."""
+    sections = _sections(data)
+    sec = _find(sections, _APPLICATION_PROPERTIES)
+    if sec is not None:
+        elements = _elements(data, sec[2])
+        for i in range(0, len(elements) - 1, 2):
+            ks, _ = elements[i]
+            if _key_bytes(data, ks) == _DUPL_ID_KEY:
+                vs, ve = elements[i + 1]
+                try:
+                    value = _decode(data, vs, ve)
+                except (UnicodeDecodeError, IndexError, struct.error):
+                    raise ScanError(f"malformed _AMQ_DUPL_ID value at offset {vs}") from None
+                if isinstance(value, (str, bytes, int, uuid.UUID)) and not isinstance(value, bool):
+                    return value
+                break
+    return message_id(data)
 
 
 def jms_dest(data: bytes) -> int | None:

@@ -1,0 +1,88 @@
+"""What the core asks of the delivery log (implemented by `amqbroker.store.delivery_log`).
+
+The delivery log records one record per delivery event so that an audit (the PySpark
+job in `amqbroker.pipeline`) can prove what the broker did with every message. The
+events and where the core emits them (the one place each passes):
+
+=============  ==========================================================  =========
+event          emitted by                                                  fields
+=============  ==========================================================  =========
+received       protocol `ProducerLink._route` (the target address in       producer
+               ``queue``), before routing; transactional sends too
+routed         `Queue.enqueue` (every way in: producers, transaction       queue
+               commits, dead-letter and expiry copies)
+forwarded      reserved for the cluster bridge (nothing emits it yet)
+dispatched     `Queue._deliver`                                            consumer
+settled        `Queue.ack` / `reject` / `release` (a consumer's outcome:   outcome
+               accepted, rejected, released, modified); also right after
+               `dispatched` for a presettled consumer (outcome accepted)
+released       `Queue.remove_consumer`: an unsettled message went back to
+               its queue without an outcome (detach, connection lost)
+expired        `Broker.expired` (called by `Queue._expire`)
+dead_lettered  `Broker.dead_letter` (rejected, or out of delivery attempts)
+=============  ==========================================================  =========
+
+The core calls `DeliveryLog.event` synchronously from the event loop; the
+implementation only appends to an in-memory buffer, and a writer in a worker thread
+turns the buffer into files (`delivery_log_format.py` in `amqbroker.pipeline` is the
+file format). When the log is off the core holds ``None`` and every event site costs
+one attribute test.
+
+Invariants: one call per event; `entry` is read at the call (its delivery-count and
+group are those of that moment); `Entry.trace` caches the message-id text and the
+producer id (set by the protocol layer at `received`, filled lazily otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from amqbroker.core.consumer import Consumer
+    from amqbroker.core.entry import Entry
+
+#: event codes: indices into `amqbroker.pipeline.delivery_log_format.EVENTS` (the
+#: names written to the files; a unit test checks they agree)
+RECEIVED = 0
+ROUTED = 1
+FORWARDED = 2
+DISPATCHED = 3
+SETTLED = 4
+RELEASED = 5
+EXPIRED = 6
+DEAD_LETTERED = 7
+
+#: settled outcomes
+ACCEPTED = "accepted"
+REJECTED = "rejected"
+RELEASED_OUTCOME = "released"
+MODIFIED = "modified"
+
+
+class DeliveryLog(Protocol):
+    def event(
+        self,
+        event: int,
+        queue: str | None,
+        entry: Entry,
+        consumer: Consumer | None = None,
+        outcome: str | None = None,
+    ) -> None:
+        """Record one event (buffered; never blocks, never raises)."""
+        ...
+
+    @property
+    def full(self) -> bool:
+        """The buffer is at its bound (producers under the `block` overflow policy
+        wait for the writer before they get more credit)."""
+        ...
+
+    def block(self, producer: BlockedProducer) -> None:
+        """Resume `producer` once the writer has taken the buffer."""
+        ...
+
+    def forget(self, producer: BlockedProducer) -> None: ...
+
+
+class BlockedProducer(Protocol):
+    def resume(self) -> None: ...

@@ -1,0 +1,123 @@
+"""The delivery log's file format: the single source for the broker's writer
+(`amqbroker.store.delivery_log`) and the audit job that reads it.
+
+Files
+-----
+``<data_dir>/delivery-log/<node>/part-<seq of the first record, 20 digits>.<ext>``,
+``ext`` = ``parquet`` or ``jsonl``. A file being written is named with the suffix
+``.inprogress`` (``part-….parquet.inprogress``) and renamed when it is closed, so a
+reader that skips ``*.inprogress`` only ever sees complete files. A file is closed at
+``delivery_log_rotate_bytes`` and when the broker stops; closed files beyond
+``delivery_log_max_bytes`` are deleted oldest first. Spark reads a node's directory
+(or ``delivery-log/*``) with ``spark.read.parquet`` / ``spark.read.json`` and
+``pathGlobFilter="part-*.parquet"`` (or ``*.jsonl``).
+
+Parquet: one row group per write batch, zstd-compressed, schema `arrow_schema()`.
+JSON lines: one object per line with exactly the `FIELDS` keys (null for none).
+
+Records
+-------
+One record per delivery event (see `EVENTS`; where each is emitted:
+`amqbroker.core.delivery_log`):
+
+=================  =========  ===========================================================
+field              type       meaning
+=================  =========  ===========================================================
+node               str        the broker's `node_id`
+seq                int64      per node, strictly increasing across files and restarts;
+                              a gap means records were dropped (overflow ``drop``) or a
+                              file was lost in a crash
+ts_us              int64      event time, epoch microseconds (broker clock)
+event              str        one of `EVENTS`
+queue              str|null   the queue; for ``received``, the target address
+message_id         str|null   properties.message-id as text (binary ids in hex)
+group_id           str|null   the message's group id
+group_seq          int32|null group sequence (null when ungrouped)
+producer           str|null   "<connection id>/<link name>" of the sender (received,
+                              routed, and later events of messages sent since start)
+consumer           str|null   "<connection id>/<link name>" (dispatched, settled,
+                              released)
+outcome            str|null   settled only: accepted, rejected, released, modified
+owner_epoch        int64      epoch of the group's owner (0 on a single node)
+delivery_count     int32|null failed delivery attempts before this event
+=================  =========  ===========================================================
+
+Per message and queue: ``routed``, then any number of (``dispatched`` then
+``settled`` released/modified, or ``released``), then one terminal event:
+``settled`` accepted or rejected (followed by ``dead_lettered``), ``expired``, or
+``dead_lettered`` (out of delivery attempts). A presettled consumer's delivery is
+``dispatched`` + ``settled`` accepted. Not logged: messages removed by a purge or a
+queue deletion, and duplicates dropped by duplicate detection (no ``received``).
+
+Only the standard library is imported at module level; `arrow_schema` imports pyarrow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+#: event names, indexed by the event codes of `amqbroker.core.delivery_log`
+EVENTS: Final = (
+    "received",
+    "routed",
+    "forwarded",
+    "dispatched",
+    "settled",
+    "released",
+    "expired",
+    "dead_lettered",
+)
+
+#: settled outcomes
+OUTCOMES: Final = ("accepted", "rejected", "released", "modified")
+
+#: (field name, type) in file order; types: str, int64, int32 ("?" = nullable)
+FIELDS: Final = (
+    ("node", "str"),
+    ("seq", "int64"),
+    ("ts_us", "int64"),
+    ("event", "str"),
+    ("queue", "str?"),
+    ("message_id", "str?"),
+    ("group_id", "str?"),
+    ("group_seq", "int32?"),
+    ("producer", "str?"),
+    ("consumer", "str?"),
+    ("outcome", "str?"),
+    ("owner_epoch", "int64"),
+    ("delivery_count", "int32?"),
+)
+FIELD_NAMES: Final = tuple(name for name, _ in FIELDS)
+
+#: directory under the data directory, and the file name parts
+DIRECTORY: Final = "delivery-log"
+PREFIX: Final = "part-"
+SEQ_DIGITS: Final = 20
+INPROGRESS: Final = ".inprogress"
+EXTENSIONS: Final = {"parquet": ".parquet", "jsonl": ".jsonl"}
+
+#: the Spark SQL schema (DDL), for readers that must not infer it
+SPARK_DDL: Final = (
+    "node STRING NOT NULL, seq BIGINT NOT NULL, ts_us BIGINT NOT NULL, "
+    "event STRING NOT NULL, queue STRING, message_id STRING, group_id STRING, "
+    "group_seq INT, producer STRING, consumer STRING, outcome STRING, "
+    "owner_epoch BIGINT NOT NULL, delivery_count INT"
+)
+
+
+def file_name(first_seq: int, fmt: str) -> str:
+    """The closed file's name for a file whose first record has `first_seq`."""
+    return f"{PREFIX}{first_seq:0{SEQ_DIGITS}d}{EXTENSIONS[fmt]}"
+
+
+def arrow_schema() -> pa.Schema:
+    """The Parquet schema (needs pyarrow: ``pip install 'amqbroker[spark]'``)."""
+    import pyarrow as pa
+
+    types = {"str": pa.string(), "int64": pa.int64(), "int32": pa.int32()}
+    return pa.schema(
+        [pa.field(name, types[t.rstrip("?")], nullable=t.endswith("?")) for name, t in FIELDS]
+    )

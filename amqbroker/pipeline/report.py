@@ -1,0 +1,346 @@
+"""The audit report: a one-screen text summary, a Markdown summary and an HTML page
+with plots (matplotlib, rendered to PNG and embedded as data URIs, so the page is one
+self-contained file).
+
+Input: the result of `amqbroker.pipeline.audit.analyse` (aggregates only). Nothing
+here talks to Spark.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as html_mod
+import io
+from typing import Any
+
+from amqbroker.pipeline.invariants import INVARIANTS
+
+TITLES = {
+    "lost": "messages lost (routed, never settled, expired or dead-lettered)",
+    "duplicate_after_settle": "dispatched again after an accepted settle",
+    "received_twice": "received twice with the same message-id",
+    "order_violations": "group order violations (first dispatch out of arrival order)",
+    "two_owners": "moments a group had two owners",
+}
+
+
+def _us(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 1_000_000:
+        return f"{v / 1_000_000:.2f} s"
+    if v >= 1_000:
+        return f"{v / 1_000:.2f} ms"
+    return f"{v:.0f} µs"
+
+
+def _n(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}" if float(v).is_integer() else f"{v:,.2f}"
+
+
+def summary(r: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+    t = r["totals"]
+    lines = [
+        f"delivery audit: {t['events']:,} events, {len(r['nodes'])} node(s), "
+        f"{t['copies']:,} message copies, {t['groups']:,} groups, {t['consumers']:,} consumers",
+    ]
+    for name in INVARIANTS:
+        c = r["invariants"][name]["count"]
+        lines.append(f"  {'FAIL' if c else 'ok  '} {TITLES[name]}: {c:,}")
+    for name, lat in r["latency"].items():
+        p = lat["percentiles_us"]
+        lines.append(
+            f"  receive -> {name}: p50 {_us(p.get('0.5'))}, p99 {_us(p.get('0.99'))}, "
+            f"max {_us(lat['max_us'])}"
+        )
+    if r["info"]["seq_gaps"]:
+        lines.append(f"  warning: records missing from the log (seq gaps): {r['info']['seq_gaps']}")
+    lines.append("result: " + ("every invariant holds" if r["ok"] else "INVARIANT BROKEN"))
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def markdown(r: dict[str, Any]) -> str:
+    t = r["totals"]
+    parts = [
+        "# Delivery audit",
+        "",
+        f"**{'PASS: every invariant holds' if r['ok'] else 'FAIL: invariant broken'}** "
+        f"({r['generated']}, {r.get('elapsed_s', r['analysis_s'])} s)",
+        "",
+        f"{t['events']:,} events from {len(r['nodes'])} node(s) "
+        f"({', '.join(r['nodes'])}); {t['copies']:,} message copies in {t['queues']} "
+        f"queue(s), {t['groups']:,} groups, {t['consumers']:,} consumers; "
+        f"{t['parked']:,} parked in dead-letter/expiry queues, {t['pending']:,} in flight "
+        f"at the end of the log (grace {r['grace_s']} s).",
+        "",
+        "## Invariants",
+        "",
+        _table(
+            ["check", "count", "examples"],
+            [
+                [
+                    TITLES[name],
+                    f"{r['invariants'][name]['count']:,}",
+                    "; ".join(_sample(s) for s in r["invariants"][name]["samples"][:3]) or "-",
+                ]
+                for name in INVARIANTS
+            ],
+        ),
+        "",
+        f"Informational: {r['info']['unrouted']['count']:,} received but never routed "
+        "(rolled-back transactions, topics without subscribers); seq gaps "
+        f"{r['info']['seq_gaps'] or 'none'}.",
+        "",
+        "## Latency",
+        "",
+        _table(
+            ["from receive to", "count", "p50", "p90", "p99", "p99.9", "max", "mean"],
+            [
+                [f"first {name}", f"{lat['count']:,}"]
+                + [_us(lat["percentiles_us"].get(p)) for p in ("0.5", "0.9", "0.99", "0.999")]
+                + [_us(lat["max_us"]), _us(lat["mean_us"])]
+                for name, lat in r["latency"].items()
+            ],
+        ),
+        "",
+        "## Consumers",
+        "",
+        f"{r['consumers']['count']} consumers; dispatches max/mean "
+        f"{_n(r['consumers']['max_over_mean'])}, min/mean {_n(r['consumers']['min_over_mean'])}, "
+        f"coefficient of variation {_n(r['consumers']['cv'])}.",
+        "",
+        _table(
+            ["consumer", "dispatches", "accepted", "groups (approx.)"],
+            [
+                [c["consumer"], f"{c['dispatches']:,}", f"{c['accepted']:,}", f"{c['groups']:,}"]
+                for c in r["consumers"]["rows"]
+            ],
+        ),
+        "",
+        "## Worst groups",
+        "",
+        _table(
+            [
+                "queue",
+                "group",
+                "messages",
+                "p99 receive->settle",
+                "max",
+                "redeliveries",
+                "order violations",
+                "two-owner moments",
+            ],
+            [
+                [
+                    g["queue"],
+                    g["group_id"],
+                    f"{g['messages']:,}",
+                    _us(g["p99_settle_us"]),
+                    _us(g["max_settle_us"]),
+                    g["redeliveries"],
+                    g["order_violations"],
+                    g["two_owner_moments"],
+                ]
+                for g in r["groups"]["worst"]
+            ],
+        ),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def _sample(s: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in s.items() if k not in ("arrival_ts",))
+
+
+# ----------------------------------------------------------------------------- plots
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def plots(r: dict[str, Any]) -> dict[str, str]:
+    """The three plots as data URIs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for name, color in (("dispatch", "#1f77b4"), ("settle", "#ff7f0e")):
+        h = r["latency"][name]["histogram"]
+        if h:
+            edges, counts = _dense(h)
+            ax.stairs(counts, edges, label=f"receive -> {name}", color=color, linewidth=1.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (µs, log scale)")
+    ax.set_ylabel("messages")
+    ax.set_title("Latency distribution")
+    ax.legend()
+    out["latency"] = _png(fig)
+
+    rows = r["consumers"]["rows"]
+    fig, ax = plt.subplots(figsize=(7, max(2.0, 0.28 * len(rows) + 1)))
+    ax.barh(
+        [c["consumer"] for c in rows][::-1], [c["dispatches"] for c in rows][::-1], color="#2ca02c"
+    )
+    ax.set_xlabel("dispatches")
+    ax.set_title(f"Load per consumer (max/mean {_n(r['consumers']['max_over_mean'])})")
+    out["consumers"] = _png(fig)
+
+    h = r["groups"]["size_histogram"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar(
+        [f"{lo:,}-{hi - 1:,}" if hi - lo > 1 else f"{lo:,}" for lo, hi, _ in h],
+        [c for _, _, c in h],
+        color="#9467bd",
+    )
+    ax.set_yscale("log")
+    ax.set_xlabel("messages per group")
+    ax.set_ylabel("groups")
+    ax.set_title("Group size distribution")
+    ax.tick_params(axis="x", labelrotation=45)
+    out["groups"] = _png(fig)
+    return out
+
+
+def _dense(h: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Contiguous bin edges and counts (empty buckets between as 0)."""
+    edges = [h[0][0]]
+    counts: list[float] = []
+    for lo, hi, c in h:
+        if abs(lo - edges[-1]) > 1e-9 * lo:
+            counts.append(0)
+            edges.append(lo)
+        counts.append(c)
+        edges.append(hi)
+    return edges, counts
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { margin-bottom: 0.2em; }
+.badge { display: inline-block; padding: 0.3em 0.8em; border-radius: 4px; color: white;
+         font-weight: bold; }
+.pass { background: #2e7d32; } .fail { background: #c62828; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.92em; }
+td, th { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }
+th { background: #f3f3f3; }
+td.num { text-align: right; } tr.bad td { background: #fdecea; }
+.plots { display: flex; flex-wrap: wrap; gap: 1em; }
+.muted { color: #666; font-size: 0.9em; }
+"""
+
+
+def html(r: dict[str, Any]) -> str:
+    e = html_mod.escape
+    t = r["totals"]
+    p = plots(r)
+
+    def table(header: list[str], rows: list[list[Any]], bad: list[bool] | None = None) -> str:
+        head = "".join(f"<th>{e(h)}</th>" for h in header)
+        body = []
+        for i, row in enumerate(rows):
+            cls = ' class="bad"' if bad and bad[i] else ""
+            cells = "".join(
+                f'<td class="num">{e(str(c))}</td>'
+                if isinstance(c, int | float)
+                else f"<td>{e(str(c))}</td>"
+                for c in row
+            )
+            body.append(f"<tr{cls}>{cells}</tr>")
+        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+    inv_rows, inv_bad = [], []
+    for name in INVARIANTS:
+        f = r["invariants"][name]
+        inv_rows.append(
+            [TITLES[name], f["count"], "; ".join(_sample(s) for s in f["samples"][:3]) or "-"]
+        )
+        inv_bad.append(f["count"] > 0)
+    lat_rows = [
+        [f"first {name}", lat["count"]]
+        + [_us(lat["percentiles_us"].get(q)) for q in ("0.5", "0.9", "0.99", "0.999")]
+        + [_us(lat["max_us"]), _us(lat["mean_us"])]
+        for name, lat in r["latency"].items()
+    ]
+    worst = r["groups"]["worst"]
+    c = r["consumers"]
+    badge = (
+        '<span class="badge pass">PASS: every invariant holds</span>'
+        if r["ok"]
+        else '<span class="badge fail">FAIL: invariant broken</span>'
+    )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>amqbroker delivery audit</title>
+<style>{_CSS}</style></head><body>
+<h1>Delivery audit</h1>
+<p>{badge} <span class="muted">{e(r["generated"])} &middot; {r.get("elapsed_s", r["analysis_s"])} s
+&middot; inputs: {e(", ".join(r.get("inputs", [])))}</span></p>
+<p>{t["events"]:,} events from {len(r["nodes"])} node(s) ({e(", ".join(r["nodes"]))});
+{t["copies"]:,} message copies in {t["queues"]} queue(s), {t["groups"]:,} groups,
+{t["consumers"]:,} consumers; {t["parked"]:,} parked in dead-letter/expiry queues,
+{t["pending"]:,} in flight at the end of the log (grace {r["grace_s"]} s).</p>
+<h2>Invariants</h2>
+{table(["check", "count", "examples"], inv_rows, inv_bad)}
+<p class="muted">Informational: {r["info"]["unrouted"]["count"]:,} received but never routed
+(rolled-back transactions, topics without subscribers); seq gaps
+{e(str(r["info"]["seq_gaps"] or "none"))}.</p>
+<h2>Latency</h2>
+{table(["from receive to", "count", "p50", "p90", "p99", "p99.9", "max", "mean"], lat_rows)}
+<div class="plots"><img alt="latency distribution" src="{p["latency"]}">
+<img alt="group size distribution" src="{p["groups"]}"></div>
+<h2>Consumers</h2>
+<p>{c["count"]} consumers; dispatches max/mean {_n(c["max_over_mean"])}, min/mean
+{_n(c["min_over_mean"])}, coefficient of variation {_n(c["cv"])}.</p>
+<div class="plots"><img alt="load per consumer" src="{p["consumers"]}">
+{
+        table(
+            ["consumer", "dispatches", "accepted", "groups"],
+            [[x["consumer"], x["dispatches"], x["accepted"], x["groups"]] for x in c["rows"][:15]],
+        )
+    }
+</div>
+<h2>Worst groups</h2>
+{
+        table(
+            [
+                "queue",
+                "group",
+                "messages",
+                "p99 receive->settle",
+                "max",
+                "redeliveries",
+                "order violations",
+                "two-owner moments",
+            ],
+            [
+                [
+                    g["queue"],
+                    g["group_id"],
+                    g["messages"],
+                    _us(g["p99_settle_us"]),
+                    _us(g["max_settle_us"]),
+                    g["redeliveries"],
+                    g["order_violations"],
+                    g["two_owner_moments"],
+                ]
+                for g in worst
+            ],
+            [bool(g["order_violations"] or g["two_owner_moments"]) for g in worst],
+        )
+    }
+</body></html>
+"""

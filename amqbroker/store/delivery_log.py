@@ -1,0 +1,471 @@
+"""The delivery log writer: implements the core's `DeliveryLog` and writes the files
+described in `amqbroker.pipeline.delivery_log_format`.
+
+Theory of operation
+-------------------
+Two sides, like the journal's group commit:
+
+* event loop (`event`, `take_batch`): each event appends one tuple to an in-memory
+  buffer: the sequence number, the clock, the event code and the entry's fields read
+  at that moment (references, no formatting). When the buffer reaches a quarter of
+  `buffer_records` the app's writer loop is woken (`wake`); it also takes the buffer
+  every `flush_interval`.
+* worker thread (`write_batch`, `close`): turns a batch into columns (C-speed
+  transposition, pyarrow arrays) and appends them to the current file as one Parquet
+  row group (or JSON lines); rotates at `rotate_bytes`; deletes the oldest closed
+  files beyond `max_bytes`. One batch at a time; only this side touches files.
+
+Overflow (`delivery_log_overflow`): at `buffer_records` buffered records, ``drop``
+discards new records (they still take a sequence number, so the audit sees the gap;
+counted in `statistics()["dropped"]` and logged once per episode); ``block`` keeps
+every record and stops granting credit to producers (`ProducerLink._top_up` asks
+`full`), which resume when the writer has taken the buffer. Records already in flight
+(credit granted before, dispatches, settlements) are still appended, so the buffer
+may pass its bound by what the producers' windows allow.
+
+Invariants: `seq` strictly increases per node, across files and restarts (`open`
+continues after the newest closed file); a file is renamed from ``.inprogress`` only
+once complete; a crash loses the ``.inprogress`` Parquet file (no footer) and keeps
+the complete lines of a JSON lines one (`open` repairs both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from operator import itemgetter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from amqbroker.core.delivery_log import BlockedProducer
+from amqbroker.pipeline import delivery_log_format as fmt
+
+if TYPE_CHECKING:
+    from amqbroker.core.consumer import Consumer
+    from amqbroker.core.entry import Entry
+
+log = logging.getLogger(__name__)
+
+_INT32_MIN = -(1 << 31)
+_INT32_MAX = (1 << 31) - 1
+
+#: one buffered event: seq, time (epoch s), event code, queue, message-id, producer,
+#: group id, group seq, consumer, outcome, delivery count
+Row = tuple[
+    int,
+    float,
+    int,
+    str | None,
+    str | None,
+    str | None,
+    str | None,
+    int,
+    str | None,
+    str | None,
+    int,
+]
+
+
+def pyarrow_available() -> bool:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class DeliveryLogWriter:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        file_format: str = "parquet",
+        rotate_bytes: int = 64 << 20,
+        max_bytes: int = 1 << 30,
+        buffer_records: int = 200_000,
+        overflow: str = "block",
+        clock: Callable[[], float],
+        message_id: Callable[[bytes], str | None],
+        wake: Callable[[], object] | None = None,
+    ) -> None:
+        #: <data_dir>/delivery-log
+        self.root = root
+        self.format = file_format
+        self.rotate_bytes = rotate_bytes
+        self.max_bytes = max_bytes
+        self.limit = buffer_records
+        self.take_at = max(1, buffer_records // 4)
+        self.drop = overflow == "drop"
+        #: records kept before dropping (no bound under "block": producers wait)
+        self._cap = buffer_records if self.drop else sys.maxsize
+        self._clock = clock
+        self._mid = message_id
+        self._wake = wake
+        self.node = ""
+        self.directory: Path | None = None
+        self._buf: list[Row] = []
+        self._seq = 0
+        self._blocked: set[BlockedProducer] = set()
+        self._dropping = 0
+        self.dropped = 0
+        self.written = 0
+        # thread side
+        self._ext = fmt.EXTENSIONS[file_format]
+        self._cur: Path | None = None
+        self._cur_first = 0
+        self._cur_writer: Any = None
+        self._cur_file: Any = None
+        self._closed: list[tuple[Path, int]] = []
+        self._schema: Any = None
+        self._events: Any = None
+        #: records per write (adapted to the bytes per record; see write_batch)
+        self._chunk = max(16, rotate_bytes // (8 * 256))
+
+    # ------------------------------------------------------------ start-up
+    def open(self, node: str) -> None:
+        """Create the node's directory, repair what a crash left, and continue the
+        sequence after the newest closed file."""
+        self.node = node
+        d = self.root / node
+        d.mkdir(parents=True, exist_ok=True)
+        self.directory = d
+        for p in sorted(d.glob(f"{fmt.PREFIX}*{fmt.INPROGRESS}")):
+            self._repair(p)
+        last = 0
+        closed = sorted(d.glob(f"{fmt.PREFIX}*{self._ext}"))
+        for p in closed:
+            self._closed.append((p, p.stat().st_size))
+        others = [p for p in d.glob(f"{fmt.PREFIX}*") if p.suffix != self._ext]
+        for p in closed[-1:] + sorted(others)[-1:]:
+            last = max(last, _last_seq(p))
+        self._seq = last
+        if self.format == "parquet":
+            import pyarrow as pa
+
+            self._schema = fmt.arrow_schema()
+            self._events = pa.array(fmt.EVENTS, type=pa.string())
+            # pyarrow imports pandas (when installed) on its first conversion: pay that
+            # here at start-up, not in the writer thread while the GIL is contended
+            pa.array([0])
+
+    def _repair(self, p: Path) -> None:
+        final = p.with_name(p.name[: -len(fmt.INPROGRESS)])
+        try:
+            if final.suffix == ".jsonl":
+                data = p.read_bytes()
+                keep = data[: data.rfind(b"\n") + 1]
+                if keep:
+                    p.write_bytes(keep)
+                    p.rename(final)
+                    log.warning("delivery log: kept the complete lines of %s", final.name)
+                    return
+            elif final.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                try:
+                    pq.ParquetFile(p).close()
+                except Exception:
+                    pass
+                else:
+                    p.rename(final)
+                    return
+            p.unlink()
+            log.warning(
+                "delivery log: %s was left unfinished by a crash and cannot be read; "
+                "deleted (the audit will see a gap in seq)",
+                p.name,
+            )
+        except OSError as exc:
+            log.warning("delivery log: cannot repair %s: %s", p, exc)
+
+    # ---------------------------------------------------- event loop side
+    def event(
+        self,
+        event: int,
+        queue: str | None,
+        entry: Entry,
+        consumer: Consumer | None = None,
+        outcome: str | None = None,
+    ) -> None:
+        self._seq += 1
+        buf = self._buf
+        n = len(buf)
+        if n >= self._cap:
+            self.dropped += 1
+            self._dropping += 1
+            if self._dropping == 1:
+                log.warning(
+                    "delivery log: the buffer holds delivery_log_buffer_records (%d) "
+                    "records; dropping records until the writer catches up (raise "
+                    "delivery_log_buffer_records, or set delivery_log_overflow = block "
+                    "to slow producers down instead)",
+                    self.limit,
+                )
+            return
+        tr = entry.trace
+        if tr is None:
+            tr = entry.trace = (self._mid(entry.data), None)
+        # only atomic values: the garbage collector stops tracking such tuples, so a
+        # full buffer does not make collections slower
+        buf.append(
+            (
+                self._seq,
+                self._clock(),
+                event,
+                queue,
+                tr[0],
+                tr[1],
+                entry.group_id,
+                entry.group_seq,
+                None if consumer is None else consumer.log_id,
+                outcome,
+                entry.delivery_count,
+            )
+        )
+        if n == self.take_at and self._wake is not None:
+            self._wake()
+
+    @property
+    def full(self) -> bool:
+        """Producers must wait (overflow "block" only: "drop" never holds credit)."""
+        return len(self._buf) >= self.limit and not self.drop
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def block(self, producer: BlockedProducer) -> None:
+        self._blocked.add(producer)
+
+    def forget(self, producer: BlockedProducer) -> None:
+        self._blocked.discard(producer)
+
+    def take_batch(self) -> list[Row] | None:
+        """Everything buffered (None when empty); resumes blocked producers."""
+        if self._dropping:
+            log.warning(
+                "delivery log: %d record(s) dropped while the buffer was full", self._dropping
+            )
+            self._dropping = 0
+        buf = self._buf
+        if self._blocked:
+            blocked = list(self._blocked)
+            self._blocked.clear()
+            self._buf = []
+            for p in blocked:
+                p.resume()
+        elif buf:
+            self._buf = []
+        return buf or None
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "format": self.format,
+            "seq": self._seq,
+            "written": self.written,
+            "pending": len(self._buf),
+            "dropped": self.dropped,
+            "blocked_producers": len(self._blocked),
+            "files": len(self._closed) + (self._cur is not None),
+            "bytes": sum(n for _, n in self._closed),
+        }
+
+    # ------------------------------------------------------- thread side
+    def write_batch(self, batch: list[Row]) -> None:
+        """Append a batch to the current file (worker thread); rotate and bound.
+
+        The batch is written in chunks sized from the bytes per record seen so far
+        (about an eighth of `rotate_bytes` each), so a file passes `rotate_bytes` by
+        at most one chunk whatever the batch size."""
+        i = 0
+        n = len(batch)
+        while i < n:
+            chunk = batch[i : i + self._chunk]
+            i += len(chunk)
+            if self._cur is None:
+                self._start(chunk[0][0])
+            f = self._cur_file
+            before = f.tell()
+            if self.format == "parquet":
+                self._cur_writer.write_table(self._table(chunk))
+            else:
+                f.write(self._lines(chunk))
+                f.flush()
+            self.written += len(chunk)
+            size = f.tell()
+            per_record = max(1, (size - before) // len(chunk))
+            self._chunk = max(16, self.rotate_bytes // (8 * per_record))
+            if size >= self.rotate_bytes:
+                self._finish()
+
+    def close(self) -> None:
+        """Close and publish the current file (worker thread or shutdown)."""
+        if self._cur is not None:
+            self._finish()
+
+    def abandon_file(self) -> None:
+        """After a failed write: publish the current file if it still closes cleanly,
+        else delete it (a later write starts a new one); the audit sees the gap in
+        seq."""
+        cur = self._cur
+        if cur is None:
+            return
+        ok = True
+        try:
+            if self._cur_writer is not None:
+                self._cur_writer.close()
+        except Exception:
+            ok = False
+        try:
+            self._cur_file.close()
+        except Exception:
+            ok = False
+        self._cur_writer = None
+        self._cur_file = None
+        self._cur = None
+        final = cur.with_name(cur.name[: -len(fmt.INPROGRESS)])
+        try:
+            if ok:
+                os.replace(cur, final)
+                self._closed.append((final, final.stat().st_size))
+            else:
+                cur.unlink()
+        except OSError as exc:
+            log.warning("delivery log: cannot clean up %s: %s", cur, exc)
+
+    def _start(self, first_seq: int) -> None:
+        assert self.directory is not None
+        name = fmt.file_name(first_seq, self.format) + fmt.INPROGRESS
+        self._cur = self.directory / name
+        self._cur_first = first_seq
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            self._cur_file = open(self._cur, "wb")  # noqa: SIM115 - closed in _finish
+            self._cur_writer = pq.ParquetWriter(self._cur_file, self._schema, compression="zstd")
+        else:
+            self._cur_file = open(self._cur, "w", encoding="utf-8")  # noqa: SIM115
+
+    def _finish(self) -> None:
+        cur = self._cur
+        assert cur is not None
+        if self._cur_writer is not None:
+            self._cur_writer.close()
+            self._cur_writer = None
+        self._cur_file.close()
+        self._cur_file = None
+        self._cur = None
+        final = cur.with_name(cur.name[: -len(fmt.INPROGRESS)])
+        os.replace(cur, final)
+        self._closed.append((final, final.stat().st_size))
+        self._bound()
+
+    def _bound(self) -> None:
+        if self.max_bytes < 0:
+            return
+        total = sum(n for _, n in self._closed)
+        while self._closed and total > self.max_bytes:
+            p, n = self._closed.pop(0)
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+            total -= n
+
+    def _table(self, batch: list[Row]) -> Any:
+        """The batch as an Arrow table: transposed with zip (C speed), converted and
+        computed column-wise by pyarrow."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        # one pass per column (zip(*batch) would allocate an iterator per row)
+        seqs, ts, ev, queues, mids, producers, gids, gseqs, cons, outcomes, dcs = (
+            list(map(itemgetter(k), batch)) for k in range(11)
+        )
+        n = len(batch)
+        gid = pa.array(gids, type=pa.string())
+        gseq = pa.array(gseqs, type=pa.int64())
+        # a spent group close (outside int32) reads as -1; ungrouped as null
+        gseq = pc.if_else(pc.or_(pc.less(gseq, _INT32_MIN), pc.greater(gseq, _INT32_MAX)), -1, gseq)
+        gseq = pc.if_else(pc.is_null(gid), pa.scalar(None, pa.int64()), gseq)
+        cols = {
+            "node": pa.array([self.node] * n, type=pa.string()),
+            "seq": pa.array(seqs, type=pa.int64()),
+            "ts_us": pc.cast(
+                pc.multiply(pa.array(ts, type=pa.float64()), 1_000_000.0),
+                pa.int64(),
+                safe=False,
+            ),
+            "event": pc.take(self._events, pa.array(ev, type=pa.int8())),
+            "queue": pa.array(queues, type=pa.string()),
+            "message_id": pa.array(mids, type=pa.string()),
+            "group_id": gid,
+            "group_seq": pc.cast(gseq, pa.int32()),
+            "producer": pa.array(producers, type=pa.string()),
+            "consumer": pa.array(cons, type=pa.string()),
+            "outcome": pa.array(outcomes, type=pa.string()),
+            "owner_epoch": pa.array([0] * n, type=pa.int64()),
+            "delivery_count": pa.array(dcs, type=pa.int32()),
+        }
+        return pa.Table.from_arrays([cols[f] for f in fmt.FIELD_NAMES], schema=self._schema)
+
+    def _lines(self, batch: list[Row]) -> str:
+        node = self.node
+        events = fmt.EVENTS
+        dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+        out = []
+        for seq, t, ev, queue, mid, producer, gid, gseq, consumer, outcome, dc in batch:
+            out.append(
+                dumps(
+                    {
+                        "node": node,
+                        "seq": seq,
+                        "ts_us": int(t * 1_000_000),
+                        "event": events[ev],
+                        "queue": queue,
+                        "message_id": mid,
+                        "group_id": gid,
+                        "group_seq": None
+                        if gid is None
+                        else (gseq if _INT32_MIN <= gseq <= _INT32_MAX else -1),
+                        "producer": producer,
+                        "consumer": consumer,
+                        "outcome": outcome,
+                        "owner_epoch": 0,
+                        "delivery_count": dc,
+                    }
+                )
+            )
+        out.append("")
+        return "\n".join(out)
+
+
+def _last_seq(p: Path) -> int:
+    """The highest seq in a closed file (0 when it cannot be read)."""
+    try:
+        if p.suffix == ".parquet":
+            import pyarrow.compute as pc
+            import pyarrow.parquet as pq
+
+            col = pq.read_table(p, columns=["seq"]).column("seq")
+            m = pc.max(col).as_py()
+            return int(m) if m is not None else 0
+        with open(p, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            lines = f.read().splitlines()
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["seq"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    except (OSError, ImportError) as exc:
+        log.warning("delivery log: cannot read the last seq of %s: %s", p, exc)
+    except Exception as exc:
+        log.warning("delivery log: cannot read the last seq of %s: %s", p, exc)
+    return 0

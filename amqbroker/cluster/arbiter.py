@@ -1,12 +1,22 @@
 """The grouping arbiter (LOCAL handler, GROUPING 7.5) and the role interface for election.
 
 `Arbiter` holds the cluster-wide table `full group key -> Binding(node, queue)`. A
-proposal for an unbound key creates the binding, writes the decision to the decision
-log (fsync, in a worker thread), hands it to every replica (`add_replica`: the backup
-arbiter receives each decision synchronously), and only then answers; concurrent
-proposals for the same key wait for that first decision and get it as the answer, so
-one key is never bound twice. A proposal for a bound key answers the existing binding
-(and counts as a use for the reaper).
+proposal for an unbound key creates the binding and queues the decision for the
+committer (`run`); concurrent proposals for the same key wait for that first decision
+and get it as the answer, so one key is never bound twice. A proposal for a bound key
+answers the existing binding (and counts as a use for the reaper).
+
+Group commit: `run` takes every decision queued at that moment as one batch, writes
+it to the decision log with one append and one fsync (in a worker thread), hands the
+whole batch to every replica at once (`add_replica`: the backup arbiter receives it
+as one `groupingReplicate` message and acknowledges it after its own fsync), and only
+then marks each binding ready, which releases its answer. Decisions queued while a
+batch is being committed form the next batch, so a burst of new groups costs a few
+fsyncs and round trips instead of one per group. A batch that cannot be committed
+(fenced, not leading any more, a decision of an older epoch) fails as a whole: its
+bindings are dropped, never answered, and their proposers retry with the arbiter of
+the moment. The committer owns a queued decision: a proposer that gives up waiting
+(its own timeout) does not withdraw it, so table and decision log stay alike.
 
 `ArbiterRole` is what a leader election plugs into: `become_leader(epoch)` makes this
 node's arbiter answer proposals, stamping `epoch` on every decision;
@@ -18,9 +28,10 @@ ZooKeeper the statically configured LOCAL node calls `become_leader(0)` at start
 says the arbiter is a single point of failure; REMOTE nodes learn the leader from the
 peers' announcements.
 
-Invariants: at most one binding per key; `Binding.ready` is set only once the decision
-is durable (and replicated); a decision of epoch e is never made while the node is not
-leader of epoch e (`NotArbiter`).
+Invariants: at most one binding per key; `Binding.ready` is set only once the batch
+holding its decision is durable (and replicated), and never for a binding whose batch
+failed; a decision of epoch e is never committed while the node is not leader of epoch
+e (`NotArbiter`); batches are committed, and replicated, in the order decided.
 """
 
 from __future__ import annotations
@@ -53,6 +64,16 @@ class Binding:
     ready: trio.Event = field(default_factory=trio.Event)
     #: set with `ready` when the decision could not be made (fenced): waiters retry
     failed: bool = False
+    #: why the batch failed, when it was not a lost leadership (re-raised to waiters)
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Queued:
+    decision: Decision
+    binding: Binding | None
+    done: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
 
 
 class Arbiter:
@@ -67,10 +88,15 @@ class Arbiter:
         self.clock = clock
         self.in_thread = in_thread
         self.bindings: dict[str, Binding] = {}
-        self.replicas: list[Callable[[Decision], Awaitable[None]]] = []
+        self.replicas: list[Callable[[list[Decision]], Awaitable[None]]] = []
         self.leading = False
         self.epoch = 0
         self.decisions = 0
+        #: batches committed (one decision-log append + fsync, one replication each)
+        self.batches = 0
+        self.largest_batch = 0
+        self._queue: list[_Queued] = []
+        self._wake = trio.Event()
 
     def load(self) -> int:
         if self.log is None:
@@ -82,23 +108,62 @@ class Arbiter:
             self.bindings[d.key] = b
         return len(self.bindings)
 
-    def add_replica(self, send: Callable[[Decision], Awaitable[None]]) -> None:
-        """Every later decision is awaited on `send` before the answer (the backup)."""
+    def add_replica(self, send: Callable[[list[Decision]], Awaitable[None]]) -> None:
+        """Every later batch of decisions is awaited on `send` before its answers."""
         self.replicas.append(send)
 
-    def remove_replica(self, send: Callable[[Decision], Awaitable[None]]) -> None:
+    def remove_replica(self, send: Callable[[list[Decision]], Awaitable[None]]) -> None:
         if send in self.replicas:
             self.replicas.remove(send)
 
-    async def _persist(self, d: Decision) -> None:
-        if self.log is not None:
-            if self.in_thread:
-                await trio.to_thread.run_sync(self.log.append, [d])
-            else:
-                self.log.append([d])
-        for send in list(self.replicas):
-            await send(d)
-        self.decisions += 1
+    def _enqueue(self, d: Decision, b: Binding | None) -> _Queued:
+        q = _Queued(d, b)
+        self._queue.append(q)
+        self._wake.set()
+        return q
+
+    async def run(self) -> None:
+        """The committer (group commit, see the module docstring); runs for good."""
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            batch, self._queue = self._queue, []
+            if batch:
+                await self._commit(batch)
+
+    async def _commit(self, batch: list[_Queued]) -> None:
+        error: BaseException | None = None
+        try:
+            if not self.leading or any(q.decision.epoch != self.epoch for q in batch):
+                raise NotArbiter(batch[0].decision.key)
+            decisions = [q.decision for q in batch]
+            if self.log is not None:
+                if self.in_thread:
+                    await trio.to_thread.run_sync(self.log.append, decisions)
+                else:
+                    self.log.append(decisions)
+            for send in list(self.replicas):
+                await send(decisions)
+        except Exception as exc:  # the whole batch fails; the committer goes on
+            error = exc
+        except BaseException as exc:  # cancelled (shutdown): nobody is answered
+            error = NotArbiter(str(exc))
+            raise
+        finally:
+            for q in batch:
+                b = q.binding
+                if b is not None:
+                    if error is not None:
+                        if self.bindings.get(b.key) is b:
+                            del self.bindings[b.key]
+                        b.failed = True
+                        b.error = None if isinstance(error, NotArbiter) else error
+                    b.ready.set()
+                q.error = error
+                q.done.set()
+        self.decisions += len(batch)
+        self.batches += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
 
     def lookup(self, key: str, *, touch: bool = True) -> Binding | None:
         b = self.bindings.get(key)
@@ -120,15 +185,12 @@ class Arbiter:
         epoch = self.epoch
         b = Binding(key, node, queue, epoch, self.clock())
         self.bindings[key] = b
-        try:
-            await self._persist(Decision(BIND, key, node, queue, epoch))
-        except BaseException:
-            if self.bindings.get(key) is b:
-                del self.bindings[key]
-            b.failed = True
-            b.ready.set()
-            raise
-        b.ready.set()
+        self._enqueue(Decision(BIND, key, node, queue, epoch), b)
+        await b.ready.wait()
+        if b.error is not None:
+            raise b.error
+        if b.failed:
+            raise NotArbiter(key)
         return b, True
 
     async def remove(self, key: str) -> Binding | None:
@@ -136,7 +198,10 @@ class Arbiter:
         b = self.bindings.pop(key, None)
         if b is None:
             return None
-        await self._persist(Decision(UNBIND, key, b.node, b.queue, self.epoch))
+        q = self._enqueue(Decision(UNBIND, key, b.node, b.queue, self.epoch), None)
+        await q.done.wait()
+        if q.error is not None:
+            raise q.error if not isinstance(q.error, NotArbiter) else NotArbiter(key)
         return b
 
     def install(self, d: Decision) -> None:

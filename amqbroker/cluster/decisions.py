@@ -3,8 +3,9 @@
 A small append-only file (`<data_dir>/cluster/decisions.log`) of CRC-framed records,
 separate from the message journal: `u32 length, u32 crc32, JSON payload`. A payload is
 one `Decision`: `bind` (key -> node/queue) or `unbind` (key), each with the epoch of
-the leadership that made it. `append` writes and fsyncs (the caller runs it in a
-worker thread); the answer to a proposal is sent only after it returned (D7).
+the leadership that made it. `append` writes a batch of decisions and fsyncs once
+(the caller runs it in a worker thread); the answer to a proposal is sent only after
+it returned (D7).
 
 Recovery (`load`): replay the records in order; a torn or corrupt tail (crash in the
 middle of a write) is cut off with a warning, everything before it is kept. The live
@@ -67,6 +68,8 @@ class DecisionLog:
         self.sync = sync
         self._f: BinaryIO | None = None
         self.appended = 0
+        #: appends (each one write and, with sync, one fsync), after `load`
+        self.syncs = 0
 
     def load(self) -> dict[str, Decision]:
         """Replay the log (cutting a torn tail) and compact it; the live bindings."""
@@ -120,7 +123,8 @@ class DecisionLog:
         return live
 
     def append(self, decisions: list[Decision]) -> None:
-        """Write and fsync (blocking: run it in a worker thread)."""
+        """Write and fsync a batch of decisions at once (blocking: run it in a worker
+        thread). The arbiter's group commit passes every decision waiting."""
         fh = self._f
         assert fh is not None, "DecisionLog.load() first"
         fh.write(b"".join(_frame(d) for d in decisions))
@@ -128,6 +132,7 @@ class DecisionLog:
         if self.sync:
             os.fsync(fh.fileno())
         self.appended += len(decisions)
+        self.syncs += 1
 
     def close(self) -> None:
         if self._f is not None:

@@ -42,9 +42,14 @@ never drops a newer answer. A binding this node cannot route to (its node is not
 `cluster_peers`, or announced the queue deleted) is force-removed: the proposal carries
 it as `stale` and the arbiter removes it, if it still stands, before deciding; after
 `grouping_retries` such attempts the message is treated like a timeout ("grouping
-decision failed"). A REMOTE warns once when its `grouping_group_timeout` exceeds half
-the arbiter's (announced as `groupTimeout`), 7.7. `proposal_latency` (clusterStatus
-"proposals") times each new group's decision as seen by the entry node.
+decision failed"). An instance whose consumers left but which stays keeps its
+groups (7.8: their messages wait there for a consumer, never redistributed); with
+`grouping_consumerless_timeout` > 0 the arbiter's monitor releases the groups of an
+instance its node has announced without consumers for that long (`_consumers`
+unknown -> no decision: node loss and deletion cover those). A REMOTE warns once
+when its `grouping_group_timeout` exceeds half the arbiter's (announced as
+`groupTimeout`), 7.7. `proposal_latency` (clusterStatus "proposals") times each new
+group's decision as seen by the entry node.
 
 Who arbitrates: without `cluster_zookeeper` the node with `cluster_grouping = "LOCAL"`
 leads at epoch 0 for good (a single point of failure, logged at start) and the others
@@ -55,7 +60,9 @@ election calls `ArbiterRole.become_leader/become_follower/become_backup/backup_c
 is). The leader's arbiter replicates every decision to the backup before answering
 (`replication.Replicator`, `groupingReplicate`); every node stores replicated
 decisions it accepts (`replication.ReplicaStore`: only from the node its election
-names as leader of that very epoch, 409 below its fence). Proposals waiting for
+names as leader of that very epoch, 409 below its fence). The arbiter commits the
+decisions waiting at one moment as one batch (`Arbiter.run`, started here: one fsync
+and one replication message per batch). Proposals waiting for
 another arbiter when this node becomes leader are decided here.
 
 Limits: multicast addresses, transactional sends and addresses with several queues are
@@ -267,6 +274,10 @@ class ClusterNode:
         #: per peer: queues it announced and later announced gone (7.8)
         self._gone: dict[str, set[str]] = {}
         self._local_queues: set[str] = set()
+        #: on the arbiter, with grouping_consumerless_timeout: (node, queue) instances
+        #: seen without a consumer, since when
+        self._consumerless: dict[tuple[str, str], float] = {}
+        self.consumerless_released = 0
         self._warned_group_timeout: tuple[str, int] | None = None
         management.register(GROUPING_TYPE, self._on_grouping_request)
         management.register(CLUSTER_TYPE, self._on_cluster_request)
@@ -289,6 +300,7 @@ class ClusterNode:
         )
         async with trio.open_nursery() as n:
             self._nursery = n
+            n.start_soon(self.arbiter.run)  # group commit of the arbiter's decisions
             for p in self.peers.values():
                 p.driver = OutboundDriver(
                     self.hub,
@@ -479,8 +491,11 @@ class ClusterNode:
 
     async def _monitor_loop(self) -> None:
         """On the arbiter: a peer unreachable for cluster_node_timeout is lost; the
-        groups bound to it are released everywhere (GROUPING 7.8)."""
+        groups bound to it are released everywhere (GROUPING 7.8). With
+        grouping_consumerless_timeout, so are the groups of an instance without a
+        consumer for that long (`_release_consumerless`)."""
         period = min(0.2, self.settings.cluster_node_timeout / 4)
+        checked = 0.0
         while True:
             await trio.sleep(period)
             now = trio.current_time()
@@ -506,6 +521,67 @@ class ClusterNode:
                 # a cached answer naming the lost node is dropped too
                 for k in [k for k, c in self._cache.items() if c.node == p.node_id]:
                     del self._cache[k]
+            limit = self.settings.grouping_consumerless_timeout / 1000.0
+            if self.role.is_leader and limit > 0 and now - checked >= limit / 4:
+                checked = now  # a sweep over the bindings: at most 4 per limit
+                await self._release_consumerless(now)
+
+    def _consumers(self, node: str, queue: str) -> int | None:
+        """Consumers of the instance `queue` on `node` as known here; None: unknown
+        (instance gone, or its node's link down: node loss and deletion handle it)."""
+        if node == self.node_id:
+            q = self.broker.queues.get(queue)
+            return None if q is None or q.deleted else q.consumer_count
+        p = self.peers.get(node)
+        if p is None or not p.ready or not p.announced_at or queue not in p.topology:
+            return None
+        return p.topology[queue]
+
+    def _consumers_elsewhere(self, node: str, queue: str) -> bool:
+        others = [n for n in (self.node_id, *self.peers) if n != node]
+        return any((self._consumers(n, queue) or 0) > 0 for n in others)
+
+    async def _release_consumerless(self, now: float) -> None:
+        """GROUPING 7.8, opt-in: release the groups of an instance without consumers
+        for grouping_consumerless_timeout ms (default -1: they stay, as specified),
+        once another instance of the queue has a consumer (until then moving the
+        group would gain nothing and only split it)."""
+        limit = self.settings.grouping_consumerless_timeout / 1000.0
+        seen: dict[tuple[str, str], float] = {}
+        expired: set[tuple[str, str]] = set()
+        for b in list(self.arbiter.bindings.values()):
+            inst = (b.node, b.queue)
+            if inst in seen or inst in expired or not b.ready.is_set():
+                continue
+            if self._consumers(*inst) != 0:
+                continue
+            since = self._consumerless.get(inst, now)
+            seen[inst] = since
+            if now - since >= limit and self._consumers_elsewhere(*inst):
+                expired.add(inst)
+        self._consumerless = seen
+        for node, queue in sorted(expired):
+            keys = [
+                k
+                for k, b in list(self.arbiter.bindings.items())
+                if (b.node, b.queue) == (node, queue)
+            ]
+            log.warning(
+                "queue instance %s on %s has had no consumer for %.1f s "
+                "(grouping_consumerless_timeout): releasing its %d group binding(s); their "
+                "next messages are proposed again, messages already queued there wait for a "
+                "consumer on %s",
+                queue,
+                node,
+                now - seen.pop((node, queue)),
+                len(keys),
+                node,
+            )
+            for k in keys:
+                cur = self.arbiter.bindings.get(k)
+                if cur is not None and (cur.node, cur.queue) == (node, queue):
+                    self.consumerless_released += 1
+                    await self._unbind(k)
 
     async def _reaper_loop(self) -> None:
         while True:
@@ -1032,7 +1108,14 @@ class ClusterNode:
             "pendingProposals": len(self._outstanding),
             "duplicatesDropped": self.window.duplicates,
             "forceRemoved": self.force_removed,
+            "consumerlessReleased": self.consumerless_released,
             "proposals": self.proposal_latency.summary(),
+            # the arbiter's group commit: batches (one fsync + one replication each)
+            "decisionBatches": {
+                "batches": self.arbiter.batches,
+                "decisions": self.arbiter.decisions,
+                "largest": self.arbiter.largest_batch,
+            },
             "peers": [
                 {
                     "node": p.node_id,

@@ -4,22 +4,24 @@ Theory of operation
 -------------------
 With ZooKeeper the arbiter is the leader of an election (`election.ZkElection`) and the
 second in line is the **backup**. The leader's `Arbiter` calls its `Replicator` for
-every decision (bind or unbind) after its own fsync and before it answers:
+every batch of decisions (binds and unbinds; the arbiter's group commit, one batch =
+every decision that was waiting) after its own fsync and before it answers them:
 
-* the replicator sends the decision to the current backup as a `groupingReplicate`
-  management request over the peer link and waits for the acknowledgement, which
-  the backup sends only once the decision is in its own decision log (fsync);
+* the replicator sends the batch to the current backup as one `groupingReplicate`
+  management request over the peer link (body `{"epoch", "decisions": [...]}`; a
+  single decision's map is accepted too) and waits for the acknowledgement, which
+  the backup sends only once the batch is in its own decision log (fsync);
 * a backup that has not been brought up to date at this epoch first receives a
   **snapshot** (every ready binding; the backup replaces its table with it, writing
   an unbind for each key it held that the snapshot lacks). The snapshot is sent again
   after the backup changed, its link dropped or the epoch changed, so a backup that
   missed decisions never stays behind;
 * the wait ends with the acknowledgement, with the link's loss or a change of backup
-  (the decision is then sent to the new backup), or with a refusal:
+  (the batch is then sent to the new backup), or with a refusal:
   409 (the backup knows a higher epoch: this node is a fenced old arbiter; it steps
-  down and the proposal is not answered) or 503 (the backup does not know this node
+  down and the batch's proposals are not answered) or 503 (the backup does not know this node
   as the arbiter of this epoch yet: retried after ``retry_delay``);
-* without a connected backup the decision is not replicated; the replicator logs that
+* without a connected backup the batch is not replicated; the replicator logs that
   once (until a backup is in sync again) and confirms in ZooKeeper that this node
   still holds the leadership of its epoch before the answer, so an old arbiter
   resumed after a pause (SIGSTOP) whose link to the backup is gone cannot answer
@@ -92,6 +94,8 @@ class Replicator:
         self._lock = trio.Lock()
         self._warned = False
         self.replicated = 0
+        #: batches of decisions the backup acknowledged (one request each; snapshots apart)
+        self.messages = 0
         self.unreplicated = 0
 
     # ----------------------------------------------------------- state changes
@@ -115,10 +119,12 @@ class Replicator:
             w.done.set()
 
     # ------------------------------------------------------------- replicating
-    async def __call__(self, d: Decision) -> None:
+    async def __call__(self, batch: list[Decision]) -> None:
+        # named in logs and exceptions
+        d = repr(batch[0].key) + (f" and {len(batch) - 1} more" if len(batch) > 1 else "")
         while True:
             if not self.arbiter.leading:
-                raise NotArbiter(d.key)  # stepped down meanwhile: the new arbiter decides
+                raise NotArbiter(d)  # stepped down meanwhile: the new arbiter decides
             target, epoch = self.target, self.epoch()
             if target is None:
                 await self._unreplicated(d, "no backup arbiter is elected")
@@ -144,15 +150,17 @@ class Replicator:
                             await self._unreplicated(d, f"the link to backup {target} is down")
                             return
                 continue
-            outcome = await self._exchange(target, d.to_dict(), epoch, d)
+            body = {"epoch": epoch, "decisions": [x.to_dict() for x in batch]}
+            outcome = await self._exchange(target, body, epoch, d)
             if outcome == OK:
-                self.replicated += 1
+                self.replicated += len(batch)
+                self.messages += 1
                 return
             if outcome == "down":
                 await self._unreplicated(d, f"the link to backup {target} is down")
                 return
 
-    async def _exchange(self, target: str, body: dict[str, Any], epoch: int, d: Decision) -> str:
+    async def _exchange(self, target: str, body: dict[str, Any], epoch: int, d: str) -> str:
         """One request to the backup: OK, "down" (link not up), or after ABORTED/RETRY
         (the caller loops); raises NotArbiter when fenced."""
         w = _Wait()
@@ -178,30 +186,30 @@ class Replicator:
         if w.outcome == FENCED:
             log.warning(
                 "backup %s refused a grouping decision of epoch %d: it knows epoch %d, so "
-                "this node is no longer the arbiter; it steps down and does not answer %r",
+                "this node is no longer the arbiter; it steps down and does not answer %s",
                 target,
                 epoch,
                 w.epoch,
-                d.key,
+                d,
             )
             self.on_fenced(w.epoch)
-            raise NotArbiter(d.key)
+            raise NotArbiter(d)
         if w.outcome == RETRY:
             await trio.sleep(self.retry_delay)
         return w.outcome
 
-    async def _unreplicated(self, d: Decision, why: str) -> None:
+    async def _unreplicated(self, d: str, why: str) -> None:
         epoch = self.epoch()
         if self.confirm is not None and not await self.confirm(epoch):
             log.warning(
-                "grouping decision for %r not answered: ZooKeeper no longer confirms this "
+                "grouping decision for %s not answered: ZooKeeper no longer confirms this "
                 "node as the arbiter of epoch %d; it steps down",
-                d.key,
+                d,
                 epoch,
             )
             self.on_fenced(epoch)
-            raise NotArbiter(d.key)
-        self.unreplicated += 1
+            raise NotArbiter(d)
+        self.unreplicated += 1  # per batch
         if not self._warned:
             self._warned = True
             log.warning(
@@ -241,13 +249,17 @@ class ReplicaStore:
 
     def submit(self, sender: str, body: Any, respond: Respond) -> None:
         if not isinstance(body, dict):
-            respond(400, "groupingReplicate needs a map body (a decision or a snapshot)", None)
+            why = "groupingReplicate needs a map body (decisions, a decision or a snapshot)"
+            respond(400, why, None)
             return
         try:
             epoch = int(body["epoch"])
             if "snapshot" in body:
                 decisions = [Decision.from_dict(x) for x in body["snapshot"]]
                 snapshot = True
+            elif "decisions" in body:
+                decisions = [Decision.from_dict(x) for x in body["decisions"]]
+                snapshot = False
             else:
                 decisions = [Decision.from_dict(body)]
                 snapshot = False

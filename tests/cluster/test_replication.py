@@ -65,6 +65,7 @@ async def test_snapshot_then_each_decision_before_the_answer(autojump_clock: Any
     link = Link(lambda body: (200, "OK", True), delay=1.0)
     async with trio.open_nursery() as n:
         link.nursery = n
+        n.start_soon(a.run)
         r, _ = replicator(a, link)
         r.set_target("node2")
         t0 = trio.current_time()
@@ -72,12 +73,14 @@ async def test_snapshot_then_each_decision_before_the_answer(autojump_clock: Any
         assert accepted and b.ready.is_set()
         assert trio.current_time() - t0 == pytest.approx(2.0)  # snapshot, then the decision
         assert link.sent[0] == {"epoch": 3, "snapshot": []}
-        assert link.sent[1]["key"] == "g.q" and link.sent[1]["epoch"] == 3
+        assert link.sent[1]["epoch"] == 3
+        assert [x["key"] for x in link.sent[1]["decisions"]] == ["g.q"]
         await a.propose("h.q", "node1", "q")
         assert len(link.sent) == 3  # in sync: no second snapshot
         r.link_down("node2")
         await a.propose("i.q", "node1", "q")
         assert [x["key"] for x in link.sent[3]["snapshot"]] == ["g.q", "h.q"]
+        n.cancel_scope.cancel()
 
 
 async def test_backup_with_a_higher_epoch_fences_the_arbiter(autojump_clock: Any) -> None:
@@ -85,6 +88,7 @@ async def test_backup_with_a_higher_epoch_fences_the_arbiter(autojump_clock: Any
     link = Link(lambda body: (409, "stale arbiter epoch", {"epoch": 4}))
     async with trio.open_nursery() as n:
         link.nursery = n
+        n.start_soon(a.run)
         r, fenced = replicator(a, link)
         r.set_target("node2")
         waiter_result: list[BaseException] = []
@@ -99,6 +103,7 @@ async def test_backup_with_a_higher_epoch_fences_the_arbiter(autojump_clock: Any
         with pytest.raises(NotArbiter):
             await a.propose("g.q", "node3", "q")
         await trio.sleep(0.1)
+        n.cancel_scope.cancel()
     assert fenced == [4]
     assert "g.q" not in a.bindings  # never answered, not bound
     assert len(waiter_result) == 1
@@ -109,15 +114,18 @@ async def test_without_a_backup_zookeeper_must_confirm(autojump_clock: Any) -> N
     link = Link(lambda body: (200, "OK", True), up=False)
     async with trio.open_nursery() as n:
         link.nursery = n
+        n.start_soon(a.run)
         r, fenced = replicator(a, link, confirmed=True)
         r.set_target("node2")  # elected backup, link down
         _, accepted = await a.propose("g.q", "node1", "q")
         assert accepted and r.unreplicated == 1 and fenced == []
         a2 = leader()
+        n.start_soon(a2.run)
         _r2, fenced2 = replicator(a2, Link(lambda body: (200, "OK", True)), confirmed=False)
         with pytest.raises(NotArbiter):
             await a2.propose("g.q", "node1", "q")  # no backup, ZooKeeper says: replaced
         assert fenced2 == [3]
+        n.cancel_scope.cancel()
 
 
 async def test_replica_store_refuses_a_stale_epoch_and_applies_snapshots_in_order(
@@ -146,8 +154,15 @@ async def test_replica_store_refuses_a_stale_epoch_and_applies_snapshots_in_orde
         store.submit("node2", bind("a.q", "node1"), respond)
         store.submit("node2", {"epoch": 5, "snapshot": [bind("b.q", "node3")]}, respond)
         store.submit("node2", bind("c.q", "node2"), respond)
+        batch = {"epoch": 5, "decisions": [bind("d.q", "node3"), bind("e.q", "node1")]}
+        store.submit("node2", batch, respond)  # the arbiter's group commit: one message
         await trio.sleep(0.1)
         n.cancel_scope.cancel()
     assert answers[0] == (409, {"epoch": 5})
-    assert [s for s, _ in answers[1:]] == [200, 200, 200]
-    assert {k: b.node for k, b in backup.bindings.items()} == {"b.q": "node3", "c.q": "node2"}
+    assert [s for s, _ in answers[1:]] == [200, 200, 200, 200]
+    assert {k: b.node for k, b in backup.bindings.items()} == {
+        "b.q": "node3",
+        "c.q": "node2",
+        "d.q": "node3",
+        "e.q": "node1",
+    }

@@ -477,6 +477,11 @@ class ClusterNode:
 
     def _role_changed(self) -> None:
         self._announced = None  # announce the new role at the next tick
+        dlog = self.broker.dlog
+        if dlog is not None:
+            # delivery-log records carry the arbiter epoch their group decisions
+            # were made under (the audit orders owners across failovers by it)
+            dlog.set_owner_epoch(self.role.epoch)
         if self.replicator is not None and self.election is not None:
             backup = self.election.view.backup_id if self.role.is_leader else None
             self.replicator.set_target(None if backup == self.node_id else backup)

@@ -83,6 +83,11 @@ class DeliveryLog(Protocol):
 
     def forget(self, producer: BlockedProducer) -> None: ...
 
+    def set_owner_epoch(self, epoch: int) -> None:
+        """Records from the next event on carry this owner epoch (the cluster's
+        grouping-arbiter epoch; 0 on a single node)."""
+        ...
+
 
 class BlockedProducer(Protocol):
     def resume(self) -> None: ...

@@ -31,6 +31,7 @@ the complete lines of a JSON lines one (`open` repairs both).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import logging
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _INT32_MIN = -(1 << 31)
+#: epoch changes remembered (older ones are only needed for records not yet written)
+_EPOCH_HISTORY = 64
 _INT32_MAX = (1 << 31) - 1
 
 #: one buffered event: seq, time (epoch s), event code, queue, message-id, producer,
@@ -110,6 +113,9 @@ class DeliveryLogWriter:
         self.directory: Path | None = None
         self._buf: list[Row] = []
         self._seq = 0
+        #: (first seq, owner epoch) from that seq on: the cluster's arbiter epoch
+        #: (`set_owner_epoch`), 0 on a single node; changes are rare (failovers)
+        self._epochs: list[tuple[int, int]] = [(0, 0)]
         self._blocked: set[BlockedProducer] = set()
         self._dropping = 0
         self.dropped = 0
@@ -229,6 +235,22 @@ class DeliveryLogWriter:
         )
         if n == self.take_at and self._wake is not None:
             self._wake()
+
+    def set_owner_epoch(self, epoch: int) -> None:
+        """Records from the next event on carry this owner epoch (the cluster calls
+        this when the grouping arbiter's epoch changes)."""
+        if epoch != self._epochs[-1][1]:
+            self._epochs.append((self._seq + 1, epoch))
+            if len(self._epochs) > _EPOCH_HISTORY:
+                del self._epochs[1]
+
+    def _epochs_of(self, seqs: list[int]) -> list[int]:
+        """The owner epoch of each record (worker thread: reads a snapshot)."""
+        marks = list(self._epochs)
+        if len(marks) == 1:
+            return [marks[0][1]] * len(seqs)
+        starts = [m[0] for m in marks]
+        return [marks[bisect.bisect_right(starts, q) - 1][1] for q in seqs]
 
     @property
     def full(self) -> bool:
@@ -408,7 +430,7 @@ class DeliveryLogWriter:
             "producer": pa.array(producers, type=pa.string()),
             "consumer": pa.array(cons, type=pa.string()),
             "outcome": pa.array(outcomes, type=pa.string()),
-            "owner_epoch": pa.array([0] * n, type=pa.int64()),
+            "owner_epoch": pa.array(self._epochs_of(seqs), type=pa.int64()),
             "delivery_count": pa.array(dcs, type=pa.int32()),
         }
         return pa.Table.from_arrays([cols[f] for f in fmt.FIELD_NAMES], schema=self._schema)
@@ -418,7 +440,10 @@ class DeliveryLogWriter:
         events = fmt.EVENTS
         dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
         out = []
-        for seq, t, ev, queue, mid, producer, gid, gseq, consumer, outcome, dc in batch:
+        epochs = self._epochs_of([row[0] for row in batch])
+        for i, (seq, t, ev, queue, mid, producer, gid, gseq, consumer, outcome, dc) in enumerate(
+            batch
+        ):
             out.append(
                 dumps(
                     {
@@ -435,7 +460,7 @@ class DeliveryLogWriter:
                         "producer": producer,
                         "consumer": consumer,
                         "outcome": outcome,
-                        "owner_epoch": 0,
+                        "owner_epoch": epochs[i],
                         "delivery_count": dc,
                     }
                 )

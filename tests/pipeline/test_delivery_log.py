@@ -397,3 +397,27 @@ def test_event_codes_match_the_format() -> None:
     assert {fmt.EVENTS[code]: code for code in codes.values()} == codes
     assert len(fmt.EVENTS) == len(codes)
     assert [f.name for f in fmt.arrow_schema()] == list(fmt.FIELD_NAMES)
+
+
+def test_owner_epoch_follows_the_cluster_arbiter(tmp_path: Path) -> None:
+    """Records carry the arbiter epoch current when they were recorded, also when the
+    epoch changes between an event and the write of its batch (a failover)."""
+    w = _writer(tmp_path, "block")
+    w.event(dl.ROUTED, "q", Entry(b"a"))
+    w.set_owner_epoch(3)
+    w.event(dl.ROUTED, "q", Entry(b"b"))
+    w.set_owner_epoch(3)  # unchanged: no new mark
+    w.event(dl.ROUTED, "q", Entry(b"c"))
+    w.set_owner_epoch(4)
+    batch = w.take_batch()
+    w.event(dl.ROUTED, "q", Entry(b"d"))
+    w.write_batch(batch or [])
+    w.write_batch(w.take_batch() or [])
+    w.close()
+    rows = read_log(tmp_path / "delivery-log" / "w1")
+    assert [(r["message_id"], r["owner_epoch"]) for r in rows] == [
+        ("a", 0),
+        ("b", 3),
+        ("c", 3),
+        ("d", 4),
+    ]

@@ -88,6 +88,7 @@ from amqbroker.cluster.decisions import DecisionLog
 from amqbroker.cluster.election import ZkElection, zk_election
 from amqbroker.cluster.replication import ReplicaStore, Replicator
 from amqbroker.cluster.stats import LatencyHistogram
+from amqbroker.core import delivery_log as dl
 from amqbroker.core.address import ANYCAST, Address
 from amqbroker.core.broker import PENDING, Broker
 from amqbroker.core.consumer import Consumer
@@ -806,6 +807,11 @@ class ClusterNode:
         data = wrap_forward(e.data, bridge_id=bid, target=a.queues[0].name, durable=e.durable)
         fe = Entry(data, e.durable)
         p.forwarded += 1
+        dlog = self.broker.dlog
+        if dlog is not None:
+            # the message (its own id and group) leaves for `node`: the bridge queue's
+            # records that follow are those of the wrapped copy
+            dlog.event(dl.FORWARDED, f"{node}/{a.queues[0].name}", e)
         return self.broker.route(p.bridge, fe, check_full=False)
 
     async def _decide(

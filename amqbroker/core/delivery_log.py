@@ -11,7 +11,9 @@ received       protocol `ProducerLink._route` (the target address in       produ
                ``queue``), before routing; transactional sends too
 routed         `Queue.enqueue` (every way in: producers, transaction       queue
                commits, dead-letter and expiry copies)
-forwarded      reserved for the cluster bridge (nothing emits it yet)
+forwarded      the cluster (`ClusterNode._deliver_to`): the message leaves     queue
+               for another node's queue instance (``queue`` = "<node>/<queue>");
+               the wrapped copy's bridge-queue records follow
 dispatched     `Queue._deliver`                                            consumer
 settled        `Queue.ack` / `reject` / `release` (a consumer's outcome:   outcome
                accepted, rejected, released, modified); also right after

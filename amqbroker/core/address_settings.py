@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CACHE_SIZE",
     "QUEUE_OPTION_KEYS",
+    "TABLE_ENTRY_CONFIG",
     "AddressName",
     "AddressPattern",
     "AddressSettings",
@@ -83,6 +84,7 @@ __all__ = [
     "Routing",
     "check_address_name",
     "check_pattern",
+    "ordered_patterns",
     "parse_address_options",
     "pattern_matches",
     "queue_config",
@@ -173,6 +175,17 @@ def _kebab(name: str) -> str:
     return name.replace("_", "-")
 
 
+#: the model config of a config-file table entry (`AddressSettings`, the authorizer's
+#: `SecurityRule`): immutable, unknown keys an error, snake_case or kebab-case keys
+TABLE_ENTRY_CONFIG: Final = ConfigDict(
+    frozen=True,
+    extra="forbid",
+    alias_generator=_kebab,
+    validate_by_name=True,
+    validate_by_alias=True,
+)
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -229,13 +242,7 @@ class AddressSettings(BaseModel):
     and Artemis kebab-case keys; unknown keys are an error.
     """
 
-    model_config = ConfigDict(
-        frozen=True,
-        extra="forbid",
-        alias_generator=_kebab,
-        validate_by_name=True,
-        validate_by_alias=True,
-    )
+    model_config = TABLE_ENTRY_CONFIG
 
     auto_create_addresses: bool | None = None
     auto_create_queues: bool | None = None
@@ -337,6 +344,20 @@ def _precedence(pattern: str) -> tuple[int, int, int, int, int, str]:
     return (-exact, -literal, -neg_hashes, -neg_stars, -length, pattern)
 
 
+def ordered_patterns(table: Mapping[str, object], entry_type: type, kind: str) -> list[str]:
+    """The patterns of `table`, most specific first (equal specificity: smaller string
+    first), after checking each (ValueError) and that its entry is an `entry_type`
+    (TypeError naming the `kind` of pattern)."""
+    for pattern, entry in table.items():
+        check_pattern(pattern)
+        if not isinstance(entry, entry_type):
+            raise TypeError(
+                f"{kind} pattern {pattern!r}: expected {entry_type.__name__}, "
+                f"got {type(entry).__name__}"
+            )
+    return sorted(table, key=_precedence)
+
+
 class CacheInfo(NamedTuple):
     hits: int
     misses: int
@@ -357,14 +378,7 @@ class AddressSettingsRepository:
     ) -> None:
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
-        for pattern, entry in patterns.items():
-            check_pattern(pattern)
-            if not isinstance(entry, AddressSettings):
-                raise TypeError(
-                    f"address pattern {pattern!r}: expected AddressSettings, "
-                    f"got {type(entry).__name__}"
-                )
-        ordered = sorted(patterns, key=_precedence)
+        ordered = ordered_patterns(patterns, AddressSettings, "address")
         self._patterns: tuple[tuple[str, tuple[str, ...], dict[str, object]], ...] = tuple(
             (p, tuple(p.split(".")), patterns[p].set_fields()) for p in ordered
         )

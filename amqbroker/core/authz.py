@@ -53,9 +53,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Annotated, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from amqbroker.core.address_settings import CacheInfo, check_pattern, pattern_matches, specificity
+from amqbroker.core.address_settings import (
+    TABLE_ENTRY_CONFIG,
+    CacheInfo,
+    ordered_patterns,
+    pattern_matches,
+)
 from amqbroker.core.errors import Unauthorized
 
 if TYPE_CHECKING:
@@ -92,23 +97,13 @@ _VERBS: Final = {
 RoleName = Annotated[str, Field(min_length=1)]
 
 
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
 class SecurityRule(BaseModel):
     """One ``security`` entry: per permission, the roles that hold it (default: none).
 
     Keys are snake_case or kebab-case (``create-address``); unknown keys are an error.
     """
 
-    model_config = ConfigDict(
-        frozen=True,
-        extra="forbid",
-        alias_generator=_kebab,
-        validate_by_name=True,
-        validate_by_alias=True,
-    )
+    model_config = TABLE_ENTRY_CONFIG
 
     send: list[RoleName] = Field(default_factory=list)
     consume: list[RoleName] = Field(default_factory=list)
@@ -120,12 +115,6 @@ class SecurityRule(BaseModel):
     def grants(self) -> dict[str, frozenset[str]]:
         """Permission -> the roles holding it."""
         return {p: frozenset(getattr(self, p)) for p in PERMISSIONS}
-
-
-def _precedence(pattern: str) -> tuple[int, int, int, int, int, str]:
-    """Ascending sort key: most specific first; equal specificity: smaller string first."""
-    exact, literal, neg_hashes, neg_stars, length = specificity(pattern)
-    return (-exact, -literal, -neg_hashes, -neg_stars, -length, pattern)
 
 
 def _names(items: Iterable[str]) -> str:
@@ -145,16 +134,10 @@ class Authorizer:
     ) -> None:
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
-        for pattern, rule in rules.items():
-            check_pattern(pattern)
-            if not isinstance(rule, SecurityRule):
-                raise TypeError(
-                    f"security pattern {pattern!r}: expected SecurityRule, "
-                    f"got {type(rule).__name__}"
-                )
+        ordered = ordered_patterns(rules, SecurityRule, "security")
         self.enabled = enabled
         self._rules: tuple[tuple[str, dict[str, frozenset[str]]], ...] = tuple(
-            (p, rules[p].grants()) for p in sorted(rules, key=_precedence)
+            (p, rules[p].grants()) for p in ordered
         )
         self._roles: dict[str, frozenset[str]] = {u: frozenset(r) for u, r in roles.items()}
         self._cache_size = cache_size

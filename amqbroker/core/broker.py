@@ -189,6 +189,19 @@ class Broker:
         """Create an address (and, for anycast, its queue of the same name)."""
         if name in self.addresses:
             return self.addresses[name]
+        a = self._new_address(name, routing, auto_created=auto_created)
+        if routing == ANYCAST:
+            durable = durable and a.settings.default_queue_durable
+            self._create_queue(name, a, durable=durable, auto_created=auto_created)
+        return a
+
+    def _full_policy(self, r: ResolvedAddressSettings) -> str:
+        p = r.address_full_policy
+        return "BLOCK" if p == "PAGE" and self.pager is None else p
+
+    def _new_address(self, name: str, routing: str, *, auto_created: bool = False) -> Address:
+        """Create and register address `name` with its resolved settings (the caller
+        has checked that it does not exist)."""
         r = self.resolve(name)
         a = Address(
             name,
@@ -200,15 +213,14 @@ class Broker:
             auto_created=auto_created,
         )
         self.addresses[name] = a
-        if routing == ANYCAST:
-            self._create_queue(
-                name, a, durable=durable and r.default_queue_durable, auto_created=auto_created
-            )
         return a
 
-    def _full_policy(self, r: ResolvedAddressSettings) -> str:
-        p = r.address_full_policy
-        return "BLOCK" if p == "PAGE" and self.pager is None else p
+    def _temporary_name(self) -> str:
+        """An unused name for a dynamic node: the temporary prefix and a counter."""
+        name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
+        while name in self.addresses:
+            name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
+        return name
 
     def _routing_for(self, name: str, hint: str | None) -> str:
         return hint or self.resolve(name).default_routing_type
@@ -364,20 +376,7 @@ class Broker:
     def create_temporary_topic(self) -> Address:
         """A dynamic topic (JMS TemporaryTopic): a multicast address with a unique
         name; its subscribers' queues come and go with them."""
-        name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
-        while name in self.addresses:
-            name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
-        r = self.resolve(name)
-        a = Address(
-            name,
-            MULTICAST,
-            settings=r,
-            max_size=r.max_size_bytes,
-            full_policy=self._full_policy(r),
-            budget=self.budget,
-        )
-        self.addresses[name] = a
-        return a
+        return self._new_address(self._temporary_name(), MULTICAST)
 
     def delete_address(self, a: Address) -> list[Any]:
         """Remove an address and its queues; returns the consumers to detach."""
@@ -390,20 +389,8 @@ class Broker:
 
     def create_temporary_queue(self, hint: str | None = None) -> Queue:
         """A dynamic node: an anycast address+queue with a unique name."""
-        name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
-        while name in self.addresses:
-            name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
-        r = self.resolve(name)
-        a = Address(
-            name,
-            ANYCAST,
-            settings=r,
-            max_size=r.max_size_bytes,
-            full_policy=self._full_policy(r),
-            budget=self.budget,
-        )
-        self.addresses[name] = a
-        return self._create_queue(name, a, durable=False, temporary=True)
+        a = self._new_address(self._temporary_name(), ANYCAST)
+        return self._create_queue(a.name, a, durable=False, temporary=True)
 
     def _create_queue(
         self,
@@ -482,17 +469,7 @@ class Broker:
         routing = attributes.get("routing", ANYCAST)
         a = self.addresses.get(aname)
         if a is None:
-            r = self.resolve(aname)
-            a = Address(
-                aname,
-                routing,
-                settings=r,
-                max_size=r.max_size_bytes,
-                full_policy=self._full_policy(r),
-                budget=self.budget,
-                auto_created=bool(attributes.get("auto_created")),
-            )
-            self.addresses[aname] = a
+            a = self._new_address(aname, routing, auto_created=bool(attributes.get("auto_created")))
         opts = QueueOptions(**attributes.get("options", {}))
         sub = None
         if attributes.get("subscription") is not None:
@@ -771,16 +748,7 @@ class Broker:
                 "(an anycast address holds one queue); use another address"
             )
         if a is None:
-            r = self.resolve(address)
-            a = Address(
-                address,
-                routing,
-                settings=r,
-                max_size=r.max_size_bytes,
-                full_policy=r.address_full_policy,
-                budget=self.budget,
-            )
-            self.addresses[address] = a
+            a = self._new_address(address, routing)
         sub = Subscription(name, durable=durable) if routing == MULTICAST else None
         return self._create_queue(name, a, durable=durable, options=options, subscription_of=sub)
 

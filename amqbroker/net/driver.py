@@ -81,6 +81,15 @@ class Hub:
         return len(self._dirty)
 
 
+def _shutdown_write(sock: socket.socket | trio.socket.SocketType) -> bool:
+    """TCP's half-close (SHUT_WR) of `sock`; False if the socket refused it."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        return False
+    return True
+
+
 class ConnectionDriver:
     """What every transport shares; subclasses implement the four transport methods."""
 
@@ -298,11 +307,7 @@ class Driver(ConnectionDriver):
         conn.flushed()
 
     def _half_close(self) -> bool:
-        try:
-            self.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            return False
-        return True
+        return _shutdown_write(self.sock)
 
     def _close_transport(self) -> None:
         self.sock.close()
@@ -411,11 +416,7 @@ class StreamDriver(ConnectionDriver):
         # TLS is sent: the writer calls this after its last send_all). No close_notify:
         # trio's SSLStream can only send one by closing the whole stream, and the
         # peer already has our AMQP close or SASL outcome (see net.tls).
-        try:
-            self._socket.shutdown(socket.SHUT_WR)
-        except OSError:
-            return False
-        return True
+        return _shutdown_write(self._socket)
 
     def _close_transport(self) -> None:
         self._socket.close()

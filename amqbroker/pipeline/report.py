@@ -60,6 +60,34 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: the columns of the worst-groups table (Markdown and HTML)
+_WORST_HEADER = [
+    "queue",
+    "group",
+    "messages",
+    "p99 receive->settle",
+    "max",
+    "redeliveries",
+    "order violations",
+    "two-owner moments",
+]
+
+
+def _worst_row(g: dict[str, Any], *, thousands: bool) -> list[Any]:
+    """One row of the worst-groups table; `thousands`: the message count as text with
+    separators (Markdown) rather than the number (HTML right-aligns numbers)."""
+    return [
+        g["queue"],
+        g["group_id"],
+        f"{g['messages']:,}" if thousands else g["messages"],
+        _us(g["p99_settle_us"]),
+        _us(g["max_settle_us"]),
+        g["redeliveries"],
+        g["order_violations"],
+        g["two_owner_moments"],
+    ]
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -127,29 +155,8 @@ def markdown(r: dict[str, Any]) -> str:
         "## Worst groups",
         "",
         _table(
-            [
-                "queue",
-                "group",
-                "messages",
-                "p99 receive->settle",
-                "max",
-                "redeliveries",
-                "order violations",
-                "two-owner moments",
-            ],
-            [
-                [
-                    g["queue"],
-                    g["group_id"],
-                    f"{g['messages']:,}",
-                    _us(g["p99_settle_us"]),
-                    _us(g["max_settle_us"]),
-                    g["redeliveries"],
-                    g["order_violations"],
-                    g["two_owner_moments"],
-                ]
-                for g in r["groups"]["worst"]
-            ],
+            _WORST_HEADER,
+            [_worst_row(g, thousands=True) for g in r["groups"]["worst"]],
         ),
         "",
     ]
@@ -316,29 +323,8 @@ def html(r: dict[str, Any]) -> str:
 <h2>Worst groups</h2>
 {
         table(
-            [
-                "queue",
-                "group",
-                "messages",
-                "p99 receive->settle",
-                "max",
-                "redeliveries",
-                "order violations",
-                "two-owner moments",
-            ],
-            [
-                [
-                    g["queue"],
-                    g["group_id"],
-                    g["messages"],
-                    _us(g["p99_settle_us"]),
-                    _us(g["max_settle_us"]),
-                    g["redeliveries"],
-                    g["order_violations"],
-                    g["two_owner_moments"],
-                ]
-                for g in worst
-            ],
+            _WORST_HEADER,
+            [_worst_row(g, thousands=False) for g in worst],
             [bool(g["order_violations"] or g["two_owner_moments"]) for g in worst],
         )
     }

@@ -226,19 +226,6 @@ class CoordinatorLink:
         else:
             fp.accept(d)
 
-    def on_synced(self, batch_no: int) -> None:
-        w = self.waiting
-        n = 0
-        while w and w[0][1] <= batch_no:
-            d, _ = w.popleft()
-            if not self.closed:
-                fp.accept(d)
-            n += 1
-        if not w and self.sync is not None:
-            self.sync.waiters.discard(self)
-        if n and not self.conn.dirty:
-            self.conn.mark_dirty()
-
     def detach(self, broker: Broker, failed: bool = False) -> None:
         """Roll back the transactions this coordinator declared that are still open."""
         self.closed = True

@@ -88,7 +88,11 @@ log = logging.getLogger(__name__)
 class SyncWaiter(Protocol):
     """A link waiting for store batches (producers; the coordinator's commits)."""
 
-    def on_synced(self, batch_no: int) -> None: ...
+    #: (delivery, number of the store batch that must sync before it is accepted)
+    waiting: deque[tuple[Any, int]]
+    #: detached: deliveries whose batch synced are dropped, not accepted
+    closed: bool
+    conn: AmqpConnection
 
 
 class SyncTracker:
@@ -100,8 +104,20 @@ class SyncTracker:
         self.waiters: set[SyncWaiter] = set()
 
     def synced(self, batch_no: int) -> None:
+        """Store batch `batch_no` is on disk: accept every waiter's deliveries up to it
+        (a closed link's are only dropped); a waiter with none left stops waiting."""
         for w in list(self.waiters):
-            w.on_synced(batch_no)
+            waiting = w.waiting
+            n = 0
+            while waiting and waiting[0][1] <= batch_no:
+                d, _ = waiting.popleft()
+                if not w.closed:
+                    fp.accept(d)
+                n += 1
+            if not waiting:
+                self.waiters.discard(w)
+            if n and not w.conn.dirty:
+                w.conn.mark_dirty()
 
 
 class ConsumerLink(Consumer):
@@ -598,19 +614,6 @@ class ProducerLink:
             )
         else:
             fp.reject(d, condition, description)
-
-    def on_synced(self, batch_no: int) -> None:
-        w = self.waiting
-        n = 0
-        while w and w[0][1] <= batch_no:
-            d, _ = w.popleft()
-            if not self.closed:
-                fp.accept(d)
-            n += 1
-        if not w and self.sync is not None:
-            self.sync.waiters.discard(self)
-        if n and not self.conn.dirty:
-            self.conn.mark_dirty()
 
     def detach(self, broker: Broker, failed: bool = False) -> None:
         self.closed = True

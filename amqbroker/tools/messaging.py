@@ -29,13 +29,14 @@ from __future__ import annotations
 import base64
 import json
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from proton import ConnectionException, Delivery, Message, Timeout
 from proton.reactor import Copy, Selector
-from proton.utils import LinkDetached
+from proton.utils import BlockingConnection, LinkDetached
 
 from amqbroker.protocol.management_client import ConnectError, connect
 
@@ -102,11 +103,11 @@ def _link_error(exc: BaseException, what: str) -> MessagingError:
     return MessagingError(f"the broker refused {what}: {text}")
 
 
-def send(
-    conn_args: Connection,
-    spec: SendSpec,
-    on_progress: Callable[[int], None] | None = None,
-) -> SendResult:
+@contextmanager
+def _session(conn_args: Connection, what: str) -> Iterator[BlockingConnection]:
+    """A connection for one command, closed at the end; a link the broker detaches
+    becomes MessagingError ("the broker refused `what`"), a lost connection
+    ConnectError."""
     conn = connect(
         conn_args.url,
         user=conn_args.user,
@@ -114,61 +115,71 @@ def send(
         timeout=conn_args.timeout,
         container=CONTAINER,
     )
-    result = SendResult()
     try:
-        try:
-            sender = conn.create_sender(spec.address)
-        except LinkDetached as exc:
-            raise _link_error(exc, f"a sender on {spec.address!r}") from None
-        link = sender.link
-        pending: deque[Delivery] = deque()
-
-        def settle_head() -> None:
-            d = pending.popleft()
-            if d.remote_state == Delivery.ACCEPTED:
-                result.accepted += 1
-            else:
-                result.refused += 1
-                if result.first_refusal is None:
-                    cond = getattr(d.remote, "condition", None)
-                    why = f": {cond.description}" if cond is not None else ""
-                    result.first_refusal = f"{_outcome(d.remote_state)}{why}"
-            d.settle()
-            if on_progress is not None:
-                on_progress(result.accepted + result.refused)
-
-        def wait_head() -> None:
-            conn.wait(
-                lambda: pending[0].settled,
-                timeout=conn_args.timeout,
-                msg=f"the broker's outcome for message {result.accepted + result.refused}",
-            )
-            settle_head()
-
-        for i in range(spec.count):
-            fields: dict[str, Any] = {}
-            if spec.group is not None:
-                fields["group_id"] = spec.group
-            if spec.group_seq is not None:
-                fields["group_sequence"] = spec.group_seq + i
-            if spec.properties:
-                fields["properties"] = dict(spec.properties)
-            if spec.ttl_ms is not None:
-                fields["ttl"] = spec.ttl_ms / 1000
-            msg = Message(body=spec.text.replace("{n}", str(i)), durable=spec.durable, **fields)
-            pending.append(cast(Delivery, link.send(msg)))
-            while len(pending) >= spec.window:
-                wait_head()
-        while pending:
-            wait_head()
-    except Timeout as exc:
-        raise MessagingError(f"{exc}; the broker may be blocked (address full?)") from None
+        yield conn
     except LinkDetached as exc:
-        raise _link_error(exc, f"messages to {spec.address!r}") from None
+        raise _link_error(exc, what) from None
     except ConnectionException as exc:
         raise ConnectError(conn_args.url, f"the connection was lost: {exc}") from None
     finally:
         conn.close()
+
+
+def send(
+    conn_args: Connection,
+    spec: SendSpec,
+    on_progress: Callable[[int], None] | None = None,
+) -> SendResult:
+    result = SendResult()
+    try:
+        with _session(conn_args, f"messages to {spec.address!r}") as conn:
+            try:
+                sender = conn.create_sender(spec.address)
+            except LinkDetached as exc:
+                raise _link_error(exc, f"a sender on {spec.address!r}") from None
+            link = sender.link
+            pending: deque[Delivery] = deque()
+
+            def settle_head() -> None:
+                d = pending.popleft()
+                if d.remote_state == Delivery.ACCEPTED:
+                    result.accepted += 1
+                else:
+                    result.refused += 1
+                    if result.first_refusal is None:
+                        cond = getattr(d.remote, "condition", None)
+                        why = f": {cond.description}" if cond is not None else ""
+                        result.first_refusal = f"{_outcome(d.remote_state)}{why}"
+                d.settle()
+                if on_progress is not None:
+                    on_progress(result.accepted + result.refused)
+
+            def wait_head() -> None:
+                conn.wait(
+                    lambda: pending[0].settled,
+                    timeout=conn_args.timeout,
+                    msg=f"the broker's outcome for message {result.accepted + result.refused}",
+                )
+                settle_head()
+
+            for i in range(spec.count):
+                fields: dict[str, Any] = {}
+                if spec.group is not None:
+                    fields["group_id"] = spec.group
+                if spec.group_seq is not None:
+                    fields["group_sequence"] = spec.group_seq + i
+                if spec.properties:
+                    fields["properties"] = dict(spec.properties)
+                if spec.ttl_ms is not None:
+                    fields["ttl"] = spec.ttl_ms / 1000
+                msg = Message(body=spec.text.replace("{n}", str(i)), durable=spec.durable, **fields)
+                pending.append(cast(Delivery, link.send(msg)))
+                while len(pending) >= spec.window:
+                    wait_head()
+            while pending:
+                wait_head()
+    except Timeout as exc:
+        raise MessagingError(f"{exc}; the broker may be blocked (address full?)") from None
     return result
 
 
@@ -201,15 +212,8 @@ def receive(
         options.append(Selector(" AND ".join(parts)))
     if browse:
         options.append(Copy())
-    conn = connect(
-        conn_args.url,
-        user=conn_args.user,
-        password=conn_args.password,
-        timeout=conn_args.timeout,
-        container=CONTAINER,
-    )
     n = 0
-    try:
+    with _session(conn_args, f"the link on {address!r}") as conn:
         try:
             rcv = conn.create_receiver(
                 address, credit=min(credit, count or credit), options=options or None
@@ -227,12 +231,6 @@ def receive(
             n += 1
             if on_message is not None:
                 on_message(describe(msg))
-    except LinkDetached as exc:
-        raise _link_error(exc, f"the link on {address!r}") from None
-    except ConnectionException as exc:
-        raise ConnectError(conn_args.url, f"the connection was lost: {exc}") from None
-    finally:
-        conn.close()
     return n
 
 

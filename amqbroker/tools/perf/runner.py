@@ -316,6 +316,17 @@ def _sum_producers(producers: list[Worker]) -> dict[str, int]:
     }
 
 
+def _run_failed(row: dict[str, Any], exc: RunError) -> None:
+    """Record in `row` a run that stopped early: why, and whether it timed out."""
+    row["timed_out"] = "timed out" in str(exc)
+    row["run_error"] = str(exc)
+
+
+def _first_error(row: dict[str, Any], fleet: Fleet) -> str | None:
+    """The run's own error and the first worker's, joined; None when neither."""
+    return "; ".join(e for e in (row.get("run_error"), fleet.first_error()) if e) or None
+
+
 def _finish(row: dict[str, Any], expected: int) -> dict[str, Any]:
     received = int(row.get("received", 0))
     missing = max(0, expected - received)
@@ -408,8 +419,7 @@ def run_flow(args: argparse.Namespace, target: Target, sc: Scenario, run: int) -
                 win.end()
             row["timed_out"] = False
         except RunError as exc:
-            row["timed_out"] = "timed out" in str(exc)
-            row["run_error"] = str(exc)
+            _run_failed(row, exc)
             win = None
             rss = None
         fleet.stop()
@@ -439,9 +449,7 @@ def run_flow(args: argparse.Namespace, target: Target, sc: Scenario, run: int) -
                 # RSS with every group bound (consumers still attached) minus before
                 row["groups_bound"] = bound
                 row["rss_per_group_bytes"] = round((win.rss1 - win.rss0) * 1024 / bound, 1)
-        row["first_error"] = (
-            "; ".join(e for e in (row.get("run_error"), fleet.first_error()) if e) or None
-        )
+        row["first_error"] = _first_error(row, fleet)
     return _finish(row, sc.count)
 
 
@@ -498,8 +506,7 @@ def run_hol(
             win.end()
             row["timed_out"] = False
         except RunError as exc:
-            row["timed_out"] = "timed out" in str(exc)
-            row["run_error"] = str(exc)
+            _run_failed(row, exc)
             win = None
             t0 = 0
         fleet.stop()
@@ -514,9 +521,7 @@ def run_hol(
             row["strict"] = strict
             if strict and not target.strict_configured:
                 row["note"] = "strict needs group_skip_ahead=false for hol-strict.# on the broker"
-        row["first_error"] = (
-            "; ".join(e for e in (row.get("run_error"), fleet.first_error()) if e) or None
-        )
+        row["first_error"] = _first_error(row, fleet)
     return _finish(row, sc.count)
 
 
@@ -554,8 +559,7 @@ def run_mem(args: argparse.Namespace, target: Target, sc: Scenario, run: int) ->
                 )
             row["timed_out"] = False
         except RunError as exc:
-            row["timed_out"] = "timed out" in str(exc)
-            row["run_error"] = str(exc)
+            _run_failed(row, exc)
             win = None
             rss = None
             queued_rss = None
@@ -584,9 +588,7 @@ def run_mem(args: argparse.Namespace, target: Target, sc: Scenario, run: int) ->
                 row["broker_rss_queued_kb"] = queued_rss
                 row["rss_per_msg_bytes"] = round(growth, 1)
                 row["rss_per_msg_beyond_payload"] = round(growth - sc.size, 1)
-        row["first_error"] = (
-            "; ".join(e for e in (row.get("run_error"), fleet.first_error()) if e) or None
-        )
+        row["first_error"] = _first_error(row, fleet)
     return _finish(row, sc.count)
 
 

@@ -99,6 +99,17 @@ from amqbroker.tools.perf.status import (
 )
 
 
+def _set_txn_state(d: Any, txn_bytes: bytes) -> None:
+    """Mark delivery `d` transactional-state {txn-id}, as Qpid JMS sends it."""
+    data = _disp_data(_local_state(d))
+    _d_clear(data)
+    _d_put_list(data)
+    _d_enter(data)
+    _d_put_binary(data, txn_bytes)
+    _d_exit(data)
+    _update(d, TXN_STATE)
+
+
 class ClientWorker:
     """One connection with one link (producer or consumer) in its own process."""
 
@@ -509,7 +520,6 @@ class ProducerWorker(ClientWorker):
         n_off = self.n_off
         n_pack = N_FIELD.pack_into
         txn_bytes = self._txn_bytes
-        local, ddata, update = _local_state, _disp_data, _update
         if self.t_first == 0:
             self.t_first = now_ns()
         while sent < end:
@@ -531,14 +541,7 @@ class ProducerWorker(ClientWorker):
                     tagp[0] = sent & 0xFFFFFFFF
                     d = new_delivery(lp, tag)
                     if txn:
-                        # transactional-state {txn-id}, as Qpid JMS sends it
-                        data = ddata(local(d))
-                        _d_clear(data)
-                        _d_put_list(data)
-                        _d_enter(data)
-                        _d_put_binary(data, txn_bytes)
-                        _d_exit(data)
-                        update(d, TXN_STATE)
+                        _set_txn_state(d, txn_bytes)
                     if n_off >= 0:
                         n_pack(tpl, n_off, sent)
                     pack_into(tpl, off, MAGIC, now_ns(), pid, sent, NO_GROUP, 0)
@@ -557,13 +560,7 @@ class ProducerWorker(ClientWorker):
                     tagp[0] = sent & 0xFFFFFFFF
                     d = new_delivery(lp, tag)
                     if txn:
-                        data = ddata(local(d))
-                        _d_clear(data)
-                        _d_put_list(data)
-                        _d_enter(data)
-                        _d_put_binary(data, txn_bytes)
-                        _d_exit(data)
-                        update(d, TXN_STATE)
+                        _set_txn_state(d, txn_bytes)
                     if n_off >= 0:
                         head = message_head(self.size, durable=self.durable, group=g, n=sent)
                     else:

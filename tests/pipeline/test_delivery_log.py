@@ -5,6 +5,7 @@ with nothing on disk. Plus the writer's overflow policies on their own."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -273,15 +274,17 @@ async def test_block_overflow_holds_producer_credit(run: Run, tmp_path: Path) ->
     assert w is not None
     slow_write = w.write_batch
     blocked: list[int] = []
+    # the worker thread is a disk that stalls until the buffer has filled and a
+    # producer was held (bounded: a broker that never blocks fails the assertion below)
+    filled = threading.Event()
 
     def write_batch(batch: Any) -> None:
-        import time
-
-        time.sleep(0.05)  # the worker thread: a slow disk
+        filled.wait(timeout=10)
         slow_write(batch)
 
     def block(producer: Any) -> None:
         blocked.append(w.pending)
+        filled.set()
         DeliveryLogWriter.block(w, producer)
 
     w.write_batch = write_batch  # type: ignore[method-assign]

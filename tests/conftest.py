@@ -42,6 +42,44 @@ async def make_broker(tmp_path: Path) -> AsyncIterator[BrokerFactory]:
             app.request_shutdown()
 
 
+StoppableFactory = Callable[..., Awaitable[tuple[BrokerApp, trio.Event]]]
+
+
+@pytest.fixture
+async def stoppable(tmp_path: Path) -> AsyncIterator[StoppableFactory]:
+    """Start brokers the test stops itself (and may restart on the same data dir):
+    `start(**overrides)` returns the app and an event set once its `run` has returned.
+    The data dir is `tmp_path/data` unless overridden; brokers still running at the end
+    are shut down."""
+    apps: list[BrokerApp] = []
+    async with trio.open_nursery() as n:
+
+        async def start(**overrides: Any) -> tuple[BrokerApp, trio.Event]:
+            values: dict[str, Any] = {
+                "port": 0,
+                "data_dir": tmp_path / "data",
+                "store_sync": False,
+                "expiry_scan_period": 0,
+            }
+            values.update(overrides)
+            app = BrokerApp(Settings(**values))
+            done = trio.Event()
+
+            async def runner(task_status: trio.TaskStatus[BrokerApp]) -> None:
+                try:
+                    await app.run(task_status=task_status)
+                finally:
+                    done.set()
+
+            await n.start(runner)
+            apps.append(app)
+            return app, done
+
+        yield start
+        for app in apps:
+            app.request_shutdown()
+
+
 @pytest.fixture
 async def broker(make_broker: BrokerFactory) -> BrokerApp:
     return await make_broker()

@@ -9,9 +9,7 @@ Time-dependent checks (delivery delay) run on trio's autojump clock.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,9 +17,8 @@ import trio
 from proton import Data, Link, Message, Terminus, symbol, timestamp
 
 from amqbroker.app import BrokerApp
-from amqbroker.settings import Settings
 from tests.client import Client, ClientError, Received, Receiver
-from tests.conftest import ConnectFactory
+from tests.conftest import ConnectFactory, StoppableFactory
 
 SELECTOR = 0x0000468C00000004
 NO_LOCAL = 0x0000468C00000003
@@ -520,30 +517,13 @@ async def test_prefetch_zero_one_credit_at_a_time(connect: ConnectFactory) -> No
 # ------------------------------------------------------------------ restart
 
 
-async def _run(settings: Settings, nursery: trio.Nursery) -> tuple[BrokerApp, trio.Event]:
-    app = BrokerApp(settings)
-    done = trio.Event()
-
-    async def runner(task_status: trio.TaskStatus[BrokerApp] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await app.run(task_status=task_status)
-        finally:
-            done.set()
-
-    await nursery.start(runner)
-    return app, done
-
-
 @pytest.fixture
 async def restartable(
-    nursery: trio.Nursery, tmp_path: Path
+    stoppable: StoppableFactory,
 ) -> AsyncIterator[Callable[[], Awaitable[BrokerApp]]]:
     """Start a broker on one data directory; calling again stops the running one
     gracefully and starts a new one on the same data."""
     current: list[tuple[BrokerApp, trio.Event]] = []
-    settings = functools.partial(
-        Settings, port=0, data_dir=tmp_path / "data", store_sync=False, expiry_scan_period=0
-    )
 
     async def restart() -> BrokerApp:
         if current:
@@ -551,7 +531,7 @@ async def restartable(
             app.request_shutdown()
             with trio.fail_after(10):
                 await done.wait()
-        app, done = await _run(settings(), nursery)
+        app, done = await stoppable()
         current.append((app, done))
         return app
 

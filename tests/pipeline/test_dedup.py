@@ -5,8 +5,8 @@ restart keeps."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -15,8 +15,8 @@ from proton import Delivery, Message
 
 from amqbroker.app import BrokerApp
 from amqbroker.core.address import DuplicateWindow
-from amqbroker.settings import Settings
 from tests.client import Client, coordinator, declare, discharge, txn_send_many
+from tests.conftest import StoppableFactory
 
 SETTINGS = {
     "#": {},
@@ -28,35 +28,8 @@ Run = Callable[..., Awaitable[tuple[BrokerApp, trio.Event]]]
 
 
 @pytest.fixture
-async def run(tmp_path: Path) -> AsyncIterator[Run]:
-    apps: list[BrokerApp] = []
-    async with trio.open_nursery() as n:
-
-        async def start(**overrides: Any) -> tuple[BrokerApp, trio.Event]:
-            values: dict[str, Any] = {
-                "port": 0,
-                "data_dir": tmp_path / "data",
-                "store_sync": False,
-                "expiry_scan_period": 0,
-                "address_settings": SETTINGS,
-            }
-            values.update(overrides)
-            app = BrokerApp(Settings(**values))
-            done = trio.Event()
-
-            async def runner(task_status: trio.TaskStatus[BrokerApp]) -> None:
-                try:
-                    await app.run(task_status=task_status)
-                finally:
-                    done.set()
-
-            await n.start(runner)
-            apps.append(app)
-            return app, done
-
-        yield start
-        for app in apps:
-            app.request_shutdown()
+def run(stoppable: StoppableFactory) -> Run:
+    return functools.partial(stoppable, address_settings=SETTINGS)
 
 
 def m(mid: Any, body: str | None = None, dupl: Any = None, durable: bool = False) -> Message:

@@ -4,9 +4,10 @@ with nothing on disk. Plus the writer's overflow policies on their own."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from amqbroker.pipeline import delivery_log_format as fmt
 from amqbroker.settings import Settings
 from amqbroker.store.delivery_log import DeliveryLogWriter
 from tests.client import Client, wait_until
+from tests.conftest import StoppableFactory
 
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -28,38 +30,11 @@ Run = Callable[..., Awaitable[tuple[BrokerApp, trio.Event]]]
 
 
 @pytest.fixture
-async def run(tmp_path: Path) -> AsyncIterator[Run]:
+def run(stoppable: StoppableFactory) -> Run:
     """Start a broker that the test can stop (and restart on the same data dir)."""
-    apps: list[BrokerApp] = []
-    async with trio.open_nursery() as n:
-
-        async def start(**overrides: Any) -> tuple[BrokerApp, trio.Event]:
-            values: dict[str, Any] = {
-                "port": 0,
-                "data_dir": tmp_path / "data",
-                "store_sync": False,
-                "expiry_scan_period": 0,
-                "node_id": "n1",
-                "delivery_log": True,
-                "delivery_log_flush_interval": 0.05,
-            }
-            values.update(overrides)
-            app = BrokerApp(Settings(**values))
-            done = trio.Event()
-
-            async def runner(task_status: trio.TaskStatus[BrokerApp]) -> None:
-                try:
-                    await app.run(task_status=task_status)
-                finally:
-                    done.set()
-
-            await n.start(runner)
-            apps.append(app)
-            return app, done
-
-        yield start
-        for app in apps:
-            app.request_shutdown()
+    return functools.partial(
+        stoppable, node_id="n1", delivery_log=True, delivery_log_flush_interval=0.05
+    )
 
 
 async def stop(app: BrokerApp, done: trio.Event, clients: list[Client]) -> None:

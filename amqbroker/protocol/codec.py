@@ -50,28 +50,33 @@ class ScannerCodec:
         extract = _extractor(sel.identifiers)
         match = sel.matches
 
-        def accepts(e: Entry) -> bool:
+        def fields_of(e: Entry) -> dict[str, object] | None:
+            """The entry's decoded fields (cached), or None when undecodable."""
             cached = e.fields
             if cached is not None and cached[0] is extract:
-                return match(cached[1])
+                return cached[1]  # type: ignore[no-any-return]
             try:
                 fields = extract(e.data)
             except scanner.ScanError:
-                return False
+                return None
             e.fields = (extract, fields)
-            return match(fields)
+            return fields
 
         if "JMSXDeliveryCount" not in sel.identifiers:
+
+            def accepts(e: Entry) -> bool:
+                fields = fields_of(e)
+                return fields is not None and match(fields)
+
             return accepts
 
         def accepts_counted(e: Entry) -> bool:
             # the header in the stored bytes keeps the count it arrived with; the
             # entry has the current one (redeliveries)
-            accepts(e)
-            cached = e.fields
-            if cached is None or cached[0] is not extract:
-                return False  # undecodable
-            return match({**cached[1], "JMSXDeliveryCount": e.delivery_count + 1})
+            fields = fields_of(e)
+            if fields is None:
+                return False
+            return match({**fields, "JMSXDeliveryCount": e.delivery_count + 1})
 
         return accepts_counted
 

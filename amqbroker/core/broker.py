@@ -337,8 +337,20 @@ class Broker:
                 subscription_of=sub,
             )
         if sub.no_local and origin is not None:
-            q.no_local_origin = origin
+            q.no_local_origin = origin  # a re-attach: the new connection's own messages
         return q
+
+    def filter_subscription(
+        self, q: Queue, selector: str | None, no_local: bool, origin: str | None = None
+    ) -> None:
+        """Set a subscription queue's routing-time filter: its selector (raises
+        SelectorError when invalid) and no-local (skip messages from `origin`)."""
+        if selector:
+            q.filter = self.codec.selector_filter(selector)
+            q.selector = selector
+        q.no_local = no_local
+        if no_local and origin is not None:
+            q.no_local_origin = origin
 
     def find_subscription(self, link_name: str, container: str) -> Queue | None:
         """The queue of an existing subscription named by a link (Qpid JMS
@@ -428,10 +440,7 @@ class Broker:
             q.pager = self.pager
         if subscription_of is not None:
             q.subscription_name = subscription_of.name
-            q.no_local = subscription_of.no_local
-            if subscription_of.selector:
-                q.selector = subscription_of.selector
-                q.filter = self.codec.selector_filter(subscription_of.selector)
+            self.filter_subscription(q, subscription_of.selector, subscription_of.no_local)
         address.queues.append(q)
         self.queues[name] = q
         if durable and declare:

@@ -656,14 +656,11 @@ class AmqpConnection:
         if q.address is not None and q.address.routing == MULTICAST:
             if q.subscription and q.subscription_name is None:
                 # this consumer's own subscription queue: filter at routing time
-                if filters.selector:
-                    q.selector = filters.selector
-                    q.filter = self._guard_selector(
-                        lambda: broker.codec.selector_filter(filters.selector or "")
+                self._guard_selector(
+                    lambda: broker.filter_subscription(
+                        q, filters.selector, filters.no_local, origin=self.conn_id
                     )
-                if filters.no_local:
-                    q.no_local = True
-                    q.no_local_origin = self.conn_id
+                )
         elif filters.selector or filters.no_local:
             consumer_filter = self._consumer_filter(filters)
         priority = 0

@@ -8,7 +8,6 @@ answers, and one runs the broker as a subprocess configured from the environment
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -17,12 +16,12 @@ from typing import Any
 
 import pytest
 import trio
-from proton import Data, Delivery, Message
 
 from amqbroker.core.auth import hash_password
 from tests.client import Client, ClientError
 from tests.conftest import BrokerFactory
 from tests.integration.broker_process import BrokerProcesses, clean_env
+from tests.integration.sasl_wire import SaslWire, roundtrip, sasl_frame
 
 # a cheap hash for most tests; the CLI test below uses the real default iteration count
 FAST_ITERATIONS = 1000
@@ -97,84 +96,15 @@ async def clients(nursery: trio.Nursery) -> AsyncIterator[Clients]:
         cs.close_all()
 
 
-async def _roundtrip(c: Client, address: str) -> None:
-    """The connection really works: send one message and receive it back."""
-    s = await c.sender(address)
-    d = await s.send(Message(body="ping"))
-    assert d.remote_state == Delivery.ACCEPTED
-    r = await c.receiver(address, credit=1)
-    got = await r.receive()
-    assert got.body == "ping"
-    r.accept(got)
-
-
-def _sasl_frame(performative: int, *fields: tuple[str, Any]) -> bytes:
-    """Encode a SASL frame: [(kind, value), ...] in the performative's field order."""
-    d = Data()
-    d.put_described()
-    d.enter()
-    d.put_ulong(performative)
-    d.put_list()
-    d.enter()
-    for kind, value in fields:
-        getattr(d, f"put_{kind}")(value)
-    d.exit()
-    d.exit()
-    body = d.encode()
-    return struct.pack(">IBBH", 8 + len(body), 2, 1, 0) + body
-
-
-class RawSasl:
-    """Speak SASL frames directly on a socket (what the broker sends, byte for byte)."""
-
-    def __init__(self, sock: trio.socket.SocketType) -> None:
-        self.sock = sock
-        self.buf = b""
-
-    async def _read(self, n: int) -> bytes:
-        with trio.fail_after(10):
-            while len(self.buf) < n:
-                chunk = await self.sock.recv(4096)
-                if not chunk:
-                    raise EOFError(f"connection closed after {self.buf!r}")
-                self.buf += chunk
-        out, self.buf = self.buf[:n], self.buf[n:]
-        return out
-
-    async def header(self) -> bytes:
-        return await self._read(8)
-
-    async def frame(self) -> tuple[int, list[Any]]:
-        """Next SASL frame: (descriptor code, list of fields)."""
-        size, doff, ftype, _ = struct.unpack(">IBBH", await self._read(8))
-        assert ftype == 1, f"not a SASL frame (type {ftype})"
-        extended = await self._read(doff * 4 - 8)
-        assert extended == b""
-        body = await self._read(size - doff * 4)
-        d = Data()
-        d.decode(body)
-        obj = d.get_object()
-        return int(obj.descriptor), list(obj.value)
-
-    async def at_eof(self, timeout: float = 10) -> bool:
-        with trio.move_on_after(timeout):
-            while True:
-                chunk = await self.sock.recv(4096)
-                if not chunk:
-                    return True
-                self.buf += chunk
-        return False
-
-
 @pytest.fixture
 async def raw_socket() -> AsyncIterator[Callable[[int], Any]]:
     socks: list[trio.socket.SocketType] = []
 
-    async def open_raw(port: int) -> RawSasl:
+    async def open_raw(port: int) -> SaslWire:
         s = trio.socket.socket()
         socks.append(s)
         await s.connect(("127.0.0.1", port))
-        return RawSasl(s)
+        return SaslWire(s)
 
     try:
         yield open_raw
@@ -200,7 +130,7 @@ def _port(app: Any) -> int:
 async def test_plain_good_password_opens(make_broker: BrokerFactory, clients: Clients) -> None:
     app = await make_broker(users={"alice": hash_password("s3cret", iterations=FAST_ITERATIONS)})
     c = await clients.connect(_port(app), user="alice", password="s3cret")
-    await _roundtrip(c, "sasl.plain.ok")
+    await roundtrip(c, "sasl.plain.ok")
 
 
 async def test_plain_bad_password_is_an_authentication_failure(
@@ -215,7 +145,7 @@ async def test_plain_bad_password_is_an_authentication_failure(
     assert "amqp:unauthorized-access" in text
     # and the broker still serves the right password afterwards
     c = await clients.connect(port, user="alice", password="s3cret")
-    await _roundtrip(c, "sasl.plain.after-failure")
+    await roundtrip(c, "sasl.plain.after-failure")
 
 
 async def test_plain_wrong_password_gets_auth_outcome_and_close(
@@ -223,13 +153,13 @@ async def test_plain_wrong_password_gets_auth_outcome_and_close(
 ) -> None:
     """Byte level: sasl-outcome code 1 (auth), then the broker closes the socket."""
     app = await make_broker(users={"alice": hash_password("s3cret", iterations=FAST_ITERATIONS)})
-    raw: RawSasl = await raw_socket(_port(app))
+    raw: SaslWire = await raw_socket(_port(app))
     await raw.sock.send(SASL_HEADER)
     assert await raw.header() == SASL_HEADER
     code, fields = await raw.frame()
     assert code == SASL_MECHANISMS
     assert "PLAIN" in _mechanisms(fields)
-    await raw.sock.send(_sasl_frame(SASL_INIT, ("symbol", "PLAIN"), ("binary", b"\0alice\0nope")))
+    await raw.sock.send(sasl_frame(SASL_INIT, ("symbol", "PLAIN"), ("binary", b"\0alice\0nope")))
     code, fields = await raw.frame()
     assert (code, fields[0]) == (SASL_OUTCOME, SASL_CODE_AUTH)
     assert await raw.at_eof(), "the broker kept the connection open after a failed login"
@@ -245,21 +175,21 @@ async def test_require_auth_offers_only_plain_and_refuses_anonymous(
         users={"alice": hash_password("s3cret", iterations=FAST_ITERATIONS)}, require_auth=True
     )
     port = _port(app)
-    raw: RawSasl = await raw_socket(port)
+    raw: SaslWire = await raw_socket(port)
     await raw.sock.send(SASL_HEADER)
     assert await raw.header() == SASL_HEADER
     code, fields = await raw.frame()
     assert code == SASL_MECHANISMS
     assert _mechanisms(fields) == ["PLAIN"]
     # a client that insists on ANONYMOUS anyway is refused
-    await raw.sock.send(_sasl_frame(SASL_INIT, ("symbol", "ANONYMOUS"), ("binary", b"")))
+    await raw.sock.send(sasl_frame(SASL_INIT, ("symbol", "ANONYMOUS"), ("binary", b"")))
     code, fields = await raw.frame()
     assert code == SASL_OUTCOME
     assert fields[0] != SASL_CODE_OK
     assert await raw.at_eof()
     # PLAIN still works
     c = await clients.connect(port, user="alice", password="s3cret")
-    await _roundtrip(c, "sasl.required.ok")
+    await roundtrip(c, "sasl.required.ok")
 
 
 async def test_require_auth_refuses_a_client_without_sasl(
@@ -273,7 +203,7 @@ async def test_require_auth_refuses_a_client_without_sasl(
     assert "SASL" in text or "unauthorized" in text, text
     # byte level: the broker answers the plain AMQP header with its SASL header, then
     # closes
-    raw: RawSasl = await raw_socket(port)
+    raw: SaslWire = await raw_socket(port)
     await raw.sock.send(AMQP_HEADER)
     assert await raw.header() == SASL_HEADER
     assert await raw.at_eof()
@@ -285,7 +215,7 @@ async def test_require_auth_refuses_a_client_without_sasl(
 async def test_anonymous_allowed_by_default(make_broker: BrokerFactory, clients: Clients) -> None:
     app = await make_broker()
     c = await clients.connect(_port(app))  # SASL ANONYMOUS
-    await _roundtrip(c, "sasl.anonymous")
+    await roundtrip(c, "sasl.anonymous")
 
 
 async def test_anonymous_offered_alongside_plain_when_not_required(
@@ -293,14 +223,14 @@ async def test_anonymous_offered_alongside_plain_when_not_required(
 ) -> None:
     app = await make_broker(users={"alice": hash_password("s3cret", iterations=FAST_ITERATIONS)})
     port = _port(app)
-    raw: RawSasl = await raw_socket(port)
+    raw: SaslWire = await raw_socket(port)
     await raw.sock.send(SASL_HEADER)
     assert await raw.header() == SASL_HEADER
     code, fields = await raw.frame()
     assert code == SASL_MECHANISMS
     assert set(_mechanisms(fields)) == {"PLAIN", "ANONYMOUS"}
     c = await clients.connect(port)
-    await _roundtrip(c, "sasl.anonymous.with-users")
+    await roundtrip(c, "sasl.anonymous.with-users")
 
 
 async def test_client_without_sasl_works_when_auth_not_required(
@@ -308,7 +238,7 @@ async def test_client_without_sasl_works_when_auth_not_required(
 ) -> None:
     app = await make_broker()
     c = await clients.connect(_port(app), sasl=False)
-    await _roundtrip(c, "sasl.none")
+    await roundtrip(c, "sasl.none")
 
 
 @pytest.mark.slow
@@ -318,7 +248,7 @@ async def test_stalled_sasl_exchange_is_disconnected(
     """A client that sends the SASL header and then nothing must not hold a connection
     forever: the broker drops it after handshake_timeout."""
     app = await make_broker(handshake_timeout=1.0)
-    raw: RawSasl = await raw_socket(_port(app))
+    raw: SaslWire = await raw_socket(_port(app))
     await raw.sock.send(SASL_HEADER)
     assert await raw.header() == SASL_HEADER
     code, _ = await raw.frame()
@@ -355,7 +285,7 @@ async def test_cli_hash_password_output_is_accepted_by_the_broker(
     app = await make_broker(users={"carol": stored}, require_auth=True)
     port = _port(app)
     c = await clients.connect(port, user="carol", password="x")
-    await _roundtrip(c, "sasl.cli-hash")
+    await roundtrip(c, "sasl.cli-hash")
     text = await clients.refused(port, user="carol", password="y")
     assert "amqp:unauthorized-access" in text
 
@@ -378,7 +308,7 @@ async def test_subprocess_broker_with_users_from_environment(
         assert bp.port is not None
         assert stored not in bp.stdout + bp.stderr, "a password hash was logged"
         c = await clients.connect(bp.port, user="dave", password="pw")
-        await _roundtrip(c, "sasl.subprocess")
+        await roundtrip(c, "sasl.subprocess")
         text = await clients.refused(bp.port, user="dave", password="nope")
         assert "amqp:unauthorized-access" in text
         text = await clients.refused(bp.port, sasl=False)

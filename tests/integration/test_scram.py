@@ -13,7 +13,6 @@ The PyPI Proton wheel cannot be the SCRAM client: it has no Cyrus SASL
 from __future__ import annotations
 
 import logging
-import struct
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,7 +23,7 @@ import pytest
 import scramp
 import trio
 import trustme
-from proton import Connection, Data, Delivery, Endpoint, Message, SSLDomain, Transport
+from proton import Connection, Endpoint, SSLDomain, Transport
 
 from amqbroker.app import BrokerApp
 from amqbroker.core.auth import hash_password, hash_password_scram
@@ -32,6 +31,7 @@ from amqbroker.protocol import sasl as sasl_module
 from tests.client import Client, ClientError
 from tests.conftest import BrokerFactory
 from tests.integration.broker_process import clean_env
+from tests.integration.sasl_wire import SaslWire, roundtrip, sasl_frame
 
 SCRAM = "SCRAM-SHA-256"
 SASL_HEADER = b"AMQP\x03\x01\x00\x00"
@@ -49,59 +49,8 @@ USERS = {
 # --------------------------------------------------------------------------- helpers
 
 
-def sasl_frame(descriptor: int, *fields: tuple[str, Any]) -> bytes:
-    d = Data()
-    d.put_described()
-    d.enter()
-    d.put_ulong(descriptor)
-    d.put_list()
-    d.enter()
-    for kind, value in fields:
-        getattr(d, f"put_{kind}")(value)
-    d.exit()
-    d.exit()
-    body = d.encode()
-    return struct.pack(">IBBH", 8 + len(body), 2, 1, 0) + body
-
-
-class Wire:
+class Wire(SaslWire):
     """SASL frames on a socket, then raw AMQP bytes."""
-
-    def __init__(self, sock: trio.socket.SocketType) -> None:
-        self.sock = sock
-        self.buf = b""
-
-    async def send(self, data: bytes) -> None:
-        await self.sock.send(data)
-
-    async def read(self, n: int) -> bytes:
-        with trio.fail_after(10):
-            while len(self.buf) < n:
-                chunk = await self.sock.recv(65536)
-                if not chunk:
-                    raise EOFError(f"connection closed; unread {self.buf!r}")
-                self.buf += chunk
-        out, self.buf = self.buf[:n], self.buf[n:]
-        return out
-
-    async def frame(self) -> tuple[int, list[Any]]:
-        size, doff, ftype, _ = struct.unpack(">IBBH", await self.read(8))
-        assert ftype == 1, f"not a SASL frame (type {ftype})"
-        await self.read(doff * 4 - 8)
-        d = Data()
-        d.decode(await self.read(size - doff * 4))
-        d.rewind()
-        d.next()
-        d.enter()
-        d.next()
-        descriptor = int(d.get_ulong())
-        d.next()
-        d.enter()
-        fields: list[Any] = []
-        while d.next() is not None:
-            value = d.get_object()
-            fields.append(bytes(value) if isinstance(value, memoryview) else value)
-        return descriptor, fields
 
     async def mechanisms(self) -> list[str]:
         await self.send(SASL_HEADER)
@@ -109,13 +58,6 @@ class Wire:
         descriptor, fields = await self.frame()
         assert descriptor == SASL_MECHANISMS
         return [str(m) for m in fields[0]]
-
-    async def at_eof(self) -> bool:
-        with trio.move_on_after(10):
-            while await self.sock.recv(65536):
-                pass
-            return True
-        return False
 
     async def amqp_open(self) -> Connection:
         """Open an AMQP connection over the authenticated socket (a Proton client
@@ -184,16 +126,6 @@ async def scram_exchange(
     descriptor, fields = await w.frame()
     assert descriptor == SASL_OUTCOME
     return client, fields
-
-
-async def roundtrip(c: Client, address: str) -> None:
-    s = await c.sender(address)
-    d = await s.send(Message(body="ping"))
-    assert d.remote_state == Delivery.ACCEPTED
-    r = await c.receiver(address, credit=1)
-    got = await r.receive()
-    assert got.body == "ping"
-    r.accept(got)
 
 
 async def refused(port: int, nursery: trio.Nursery, **kw: Any) -> str:

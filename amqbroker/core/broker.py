@@ -277,12 +277,48 @@ class Broker:
             self._check_routing(a, routing_hint)
         if a.routing == ANYCAST:
             if not a.queues:
-                raise NotFound(f"address '{name}' has no queue")
+                return self.anycast_queue(a, options)
             return a.queues[0]
         sub = subscription or "sub"
         qname = f"{name}::{sub}.{next(self._tmp_counter)}"
         return self._create_queue(
             qname, a, durable=False, temporary=True, options=options, subscription=True
+        )
+
+    def anycast_queue(self, a: Address, options: QueueOptions | None = None) -> Queue:
+        """The queue of anycast address `a`, which has none (an operator deleted it
+        while a producer held the address): created again as for an address that never
+        existed when its settings auto-create addresses and queues, else NotFound
+        naming the address (a send is rejected, a consumer attach refused; never
+        a message accepted into nothing). The rare case: the routing paths call this
+        only once they found no queue."""
+        if a.queues:
+            return a.queues[0]
+        name = a.name
+        if name.startswith(self.temporary_queue_prefix):
+            raise NotFound(
+                f"temporary queue '{name}' does not exist (it was deleted with the "
+                "link that created it); names with the temporary prefix are never "
+                "auto-created"
+            )
+        r = a.settings if a.settings is not None else self.resolve(name)
+        if not (r.auto_create_addresses and r.auto_create_queues):
+            raise NotFound(
+                f"address '{name}' has no queue and auto-create is off for it; create "
+                "the queue (management CREATE queue) or enable auto_create_addresses/"
+                "auto_create_queues in its address settings"
+            )
+        cur = self.addresses.get(name)
+        other = self.queues.get(name)
+        if (cur is not None and cur is not a) or other is not None:
+            raise NotFound(
+                f"address '{name}' has no queue and cannot get one back: the address or "
+                "a queue of that name was created again since; attach again"
+            )
+        if cur is None:
+            self.addresses[name] = a  # the address itself was deleted meanwhile
+        return self._create_queue(
+            name, a, durable=r.default_queue_durable, auto_created=True, options=options
         )
 
     # -------------------------------------------------------- subscriptions
@@ -535,17 +571,22 @@ class Broker:
     # -------------------------------------------------------------- routing
     def route(self, a: Address, e: Entry, *, check_full: bool = True) -> int:
         """Route one arriving message. Raises ResourceLimitExceeded (FAIL policy)
-        unless `check_full` is off (a transaction's commit: checked when enlisted)."""
+        unless `check_full` is off (a transaction's commit: checked when enlisted), and
+        NotFound for an anycast address without queue that may not get one back
+        (`anycast_queue`)."""
         if check_full and a.full_policy == "FAIL" and a.full:
             raise ResourceLimitExceeded(
                 f"{a.full_reason()} (address_full_policy FAIL): the message was not accepted"
             )
         qs = a.queues
-        self.routed += 1
         if len(qs) == 1 and qs[0].filter is None and qs[0].no_local_origin is None:
+            self.routed += 1
             q = qs[0]
             q.enqueue(e)
             return ROUTED_SYNC if (q.durable and e.durable) else ROUTED
+        if not qs and a.routing == ANYCAST:
+            qs = [self.anycast_queue(a)]  # its queue was deleted: back, or NotFound
+        self.routed += 1
         sync = False
         first = True
         for q in list(qs):
@@ -700,8 +741,12 @@ class Broker:
             entry.group_seq,
         )
         copy.trace = entry.trace
-        if a.queues:
-            self.route(a, copy)
+        if a.queues or a.routing == ANYCAST:
+            try:
+                self.route(a, copy)
+            except NotFound as exc:  # an anycast address whose queue is gone for good
+                self.dropped_dead_letters += 1
+                log.warning("cannot move message to %r: %s", target, exc.description)
 
     def queue_idle(self, queue: Queue) -> None:
         """A queue lost its last consumer: delete it if it is a subscription queue, or

@@ -194,7 +194,12 @@ class Transaction:
         if cur.dedup is not None and broker.is_duplicate(cur, e.data):
             return False
         # the FAIL check was made when the message was enlisted: the commit routes all
-        return broker.route(cur, e, check_full=False) == ROUTED_SYNC
+        try:
+            return broker.route(cur, e, check_full=False) == ROUTED_SYNC
+        except BrokerError as exc:  # its queue was deleted since and may not come back
+            broker.dropped_no_route += 1
+            log.warning("transaction commit: message for %r dropped: %s", a.name, exc.description)
+            return False
 
     def rollback(self, broker: Broker) -> None:
         """Drop the held sends; return the held messages to their queues (same owner,

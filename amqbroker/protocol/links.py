@@ -13,7 +13,10 @@ only), wrapped in an `Entry` and routed in the same call. A transfer routed to a
 durable queue is settled only after the store has synced the batch holding it
 (`SyncTracker`); every other one is accepted at once. Credit is the backpressure: a
 window is granted and topped up at half, except while the target address is full
-under the BLOCK policy, when the link waits on the address until space returns.
+under the BLOCK policy, when the link waits on the address until space returns. An
+anycast address left without its queue (an operator deleted it while the link held the
+address) misses the single-queue test and goes to `Broker.route`, which gives it its
+queue back or raises NotFound (the transfer is rejected): the common case pays nothing.
 
 Authorisation: a named producer was checked once at attach (connection.py), so its
 transfers are never checked. An anonymous-relay link under security checks 'send' on
@@ -38,7 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from amqbroker.core.address import Address
+from amqbroker.core.address import ANYCAST, Address
 from amqbroker.core.authz import CACHED_ADDRESS_MAX
 from amqbroker.core.broker import PENDING, ROUTED_SYNC, Broker
 from amqbroker.core.consumer import Consumer
@@ -485,6 +488,8 @@ class ProducerLink:
                 e.trace = (log_message_id(data), self.producer_id)
                 dlog.event(RECEIVED, a.name, e)
             if transactional:
+                if not a.queues and a.routing == ANYCAST:
+                    broker.anycast_queue(a)  # its queue was deleted: back, or NotFound
                 self._enlist(d, a, e, presettled)
                 return
             router = broker.router

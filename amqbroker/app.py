@@ -61,6 +61,7 @@ from typing import Any
 import trio
 
 from amqbroker import __version__
+from amqbroker.cluster.election import ElectionUnavailable
 from amqbroker.cluster.node import ClusterNode
 from amqbroker.core.address_settings import AddressSettingsRepository
 from amqbroker.core.auth import Authenticator
@@ -285,7 +286,11 @@ class BrokerApp:
             store_statistics=journal.statistics,
         )
         if s.cluster_node_id:
-            self.cluster = ClusterNode(s, broker, self.hub, self.management, data_dir)
+            try:
+                self.cluster = ClusterNode(s, broker, self.hub, self.management, data_dir)
+            except ElectionUnavailable as exc:
+                self._close_store()
+                raise StartupError(str(exc)) from exc
         self.hub.after_flush.append(self._store_lot.unpark_all)
         self._limits = ConnectionLimits(
             container_id="amqbroker",
@@ -346,7 +351,9 @@ class BrokerApp:
             raise StartupError(str(exc)) from exc
         self.listening = [bound_address(sk) for sk in sockets]
         self.tls_listening = [bound_address(sk) for sk in tls_sockets]
-        self.node_id = s.node_id or f"{socket.gethostname()}-{self.listening[0][1]}"
+        self.node_id = (
+            s.node_id or s.cluster_node_id or f"{socket.gethostname()}-{self.listening[0][1]}"
+        )
         if self.dlog is not None:
             try:
                 self.dlog.open(self.node_id)

@@ -371,10 +371,11 @@ class Settings(BaseSettings):
     cluster_reconnect_initial: ConfigFloat = Field(default=0.2, gt=0)
     cluster_reconnect_max: ConfigFloat = Field(default=5.0, gt=0)
     cluster_node_timeout: ConfigFloat = Field(default=5.0, gt=0)
+    cluster_node_loss_policy: Literal["wait", "move"] = "wait"
     cluster_topology_period: ConfigFloat = Field(default=0.2, gt=0)
     cluster_duplicate_window: ConfigInt = Field(default=100_000, ge=1)
     cluster_grouping: Literal["", "LOCAL", "REMOTE"] = ""
-    grouping_timeout: ConfigInt = Field(default=5000, ge=1)
+    grouping_timeout: ConfigInt = Field(default=20000, ge=1)
     grouping_group_timeout: ConfigInt = Field(default=-1, ge=-1)
     grouping_reaper_period: ConfigInt = Field(default=30000, ge=0)
     grouping_timeout_policy: Literal["reject", "ungrouped"] = "reject"

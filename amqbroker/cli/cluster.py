@@ -36,6 +36,14 @@ def cluster_status(
         click.echo(f"elected in ZooKeeper; backup arbiter: {st.get('backup') or 'none'}")
     elif st.get("election") == "static":
         click.echo("static arbiter (no ZooKeeper): a single point of failure for new groups")
+    if st.get("nodeLossPolicy"):
+        click.echo(f"node loss policy: {st['nodeLossPolicy']}")
+    for w in st.get("waitingFor") or []:
+        click.echo(
+            f"waiting for {w['node']} since {w['sinceMillis'] / 1000:.1f} s: "
+            f"{w['groups']} group(s) stay bound to it, {w['bridgeDepth']} message(s) "
+            "held in order in this node's bridge"
+        )
     click.echo(f"{'PEER':12} {'ADDRESS':22} {'LINK':5} {'BRIDGE':>7} {'FORWARDED':>10}  ERROR")
     for p in st["peers"]:
         click.echo(
@@ -45,4 +53,9 @@ def cluster_status(
     if rows is not None:
         click.echo(f"{'GROUP KEY':40} {'NODE':12} {'QUEUE':20} EPOCH")
         for b in rows:
-            click.echo(f"{b['key']!s:40} {b['node']!s:12} {b['queue']!s:20} {b['epoch']}")
+            waiting = (
+                f"  waiting for {b['waitingFor']} since {b['waitingSinceMillis'] / 1000:.1f} s"
+                if b.get("waitingFor")
+                else ""
+            )
+            click.echo(f"{b['key']!s:40} {b['node']!s:12} {b['queue']!s:20} {b['epoch']}{waiting}")

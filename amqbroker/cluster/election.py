@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib.util
 import json
 import logging
 import math
@@ -600,12 +601,26 @@ class ZkElection:
                 log.exception("closing the ZooKeeper client failed")
 
 
+class ElectionUnavailable(Exception):
+    """The election cannot run here (its client library is missing)."""
+
+
 def zk_election(settings: Settings, role: ArbiterRoleLike, cluster_name: str = "") -> ZkElection:
     """The election configured by ``cluster_zookeeper*``, driving `role`.
 
     Start it with ``await nursery.start(election.run)``; ``election.fence`` is the fence
     to check every arbiter answer and replicated decision against.
     """
+    try:
+        spec = importlib.util.find_spec("kazoo")
+    except (ImportError, ValueError):  # a broken or blocked install counts as missing
+        spec = None
+    if spec is None:
+        raise ElectionUnavailable(
+            "cluster_zookeeper is set but the kazoo ZooKeeper client is not installed; "
+            "install it (pip install kazoo, or reinstall amqbroker: it is a dependency) "
+            "or remove cluster_zookeeper"
+        )
     fence = Fence()
     return ZkElection(
         settings.cluster_zookeeper,

@@ -116,6 +116,20 @@ CLUSTER_TYPE = "org.amqbroker.cluster"
 BRIDGE_PREFIX = "$cluster.bridge."
 TIMED_OUT = "grouping decision timed out"
 
+#: what `cluster_node_loss_policy` means, said at start (README "Cluster")
+LOSS_POLICY_TEXT = {
+    "wait": (
+        "wait (one owner and order first): the groups of a node unreachable for "
+        "cluster_node_timeout stay bound to it; their new messages wait, in order, in "
+        "the bridges until it is back"
+    ),
+    "move": (
+        "move (availability first): the groups of a node unreachable for "
+        "cluster_node_timeout move to the surviving nodes; its stranded messages of "
+        "those groups are delivered late when it returns, and reported"
+    ),
+}
+
 
 class GroupingTimeout(BrokerError):
     condition = "amqp:internal-error"
@@ -229,6 +243,8 @@ class ClusterNode:
         self.grouping = s.cluster_grouping
         self.timeout = s.grouping_timeout / 1000.0
         self.group_timeout = s.grouping_group_timeout / 1000.0
+        #: what a node unreachable for cluster_node_timeout does to its groups
+        self.loss_policy = s.cluster_node_loss_policy
         self.arbiter = Arbiter(
             DecisionLog(data_dir / "cluster" / "decisions.log", sync=s.store_sync)
             if self.grouping == "LOCAL" or bool(s.cluster_zookeeper)
@@ -299,6 +315,9 @@ class ClusterNode:
             self.grouping or "off",
             f", {loaded} group binding(s) loaded" if loaded else "",
         )
+        if self.grouping:
+            log.info("cluster node loss policy: %s", LOSS_POLICY_TEXT[self.loss_policy])
+            self._check_takeover_timeout()
         async with trio.open_nursery() as n:
             self._nursery = n
             n.start_soon(self.arbiter.run)  # group commit of the arbiter's decisions
@@ -375,9 +394,24 @@ class ClusterNode:
         if not (p.inbound.opened and p.mgmt.opened and p.replies is not None and p.replies.opened):
             return
         p.ready = True
+        down_for = 0.0 if p.down_since is None else trio.current_time() - p.down_since
         p.down_since = None
         if p.lost:
             p.lost = False
+            log.info(
+                "cluster node %s is back after %.1f s; %s",
+                p.node_id,
+                down_for,
+                "its groups resume (they waited for it)"
+                if self.loss_policy == "wait"
+                else "its groups were released while it was lost",
+            )
+        if self.role.is_leader:
+            # the groups that waited for it are in use again: the reaper counts from now
+            now = trio.current_time()
+            for b in self.arbiter.bindings.values():
+                if b.node == p.node_id:
+                    b.last_used = now
         log.info("cluster link to %s (%s:%d) is up", p.node_id, p.host, p.port)
         c = BridgeConsumer(p.node_id, p.inbound, self.flush)
         p.consumer = c
@@ -512,6 +546,19 @@ class ClusterNode:
                     continue
                 p.lost = True
                 p.topology = {}
+                if self.loss_policy == "wait":
+                    waiting = self._groups_bound_to(p.node_id)
+                    log.warning(
+                        "cluster node %s unreachable for %.1f s (cluster_node_timeout): "
+                        "%s group binding(s) stay bound to it (cluster_node_loss_policy = "
+                        "wait); their new messages wait in order in the bridge "
+                        "$cluster.bridge.%s until it is back",
+                        p.node_id,
+                        now - p.down_since,
+                        waiting if waiting is not None else "its",
+                        p.node_id,
+                    )
+                    continue
                 if self.role.is_leader:
                     keys = self.arbiter.bound_to(p.node_id)
                     if keys:
@@ -531,6 +578,56 @@ class ClusterNode:
             if self.role.is_leader and limit > 0 and now - checked >= limit / 4:
                 checked = now  # a sweep over the bindings: at most 4 per limit
                 await self._release_consumerless(now)
+
+    def _node_down(self, node: str) -> bool:
+        """Whether `node` is a peer whose link is down (unreachable from here)."""
+        p = self.peers.get(node)
+        return p is not None and not p.ready
+
+    def _groups_bound_to(self, node: str) -> int | None:
+        """Groups bound to `node` as known here: the arbiter's table, else the cached
+        answers (None: this node is not the arbiter and caches nothing for it)."""
+        if self.role.is_leader:
+            return len(self.arbiter.bound_to(node))
+        n = sum(1 for c in self._cache.values() if c.node == node)
+        return n or None
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """Lost peers whose groups wait for them (cluster_node_loss_policy = wait)."""
+        now = trio.current_time()
+        out: list[dict[str, Any]] = []
+        for p in self.peers.values():
+            if not p.lost or self.loss_policy != "wait":
+                continue
+            since = p.down_since if p.down_since is not None else now
+            out.append(
+                {
+                    "node": p.node_id,
+                    "sinceMillis": int((now - since) * 1000),
+                    "groups": self._groups_bound_to(p.node_id) or 0,
+                    "bridgeDepth": p.bridge.queues[0].count if p.bridge.queues else 0,
+                }
+            )
+        return out
+
+    def _check_takeover_timeout(self) -> None:
+        """A takeover lasts about one ZooKeeper session timeout (plus reconnects): new
+        groups wait for it, so grouping_timeout must be well above it."""
+        s = self.settings
+        if not s.cluster_zookeeper:
+            return
+        need = 2 * s.cluster_zookeeper_session_timeout
+        if s.grouping_timeout < need:
+            log.warning(
+                "grouping_timeout (%d ms) is less than twice "
+                "cluster_zookeeper_session_timeout (%d ms): during an arbiter takeover, "
+                "which lasts about one session timeout, the sends of new groups can be "
+                "rejected with 'grouping decision timed out'. Set grouping_timeout to at "
+                "least %d ms",
+                s.grouping_timeout,
+                s.cluster_zookeeper_session_timeout,
+                need,
+            )
 
     def _consumers(self, node: str, queue: str) -> int | None:
         """Consumers of the instance `queue` on `node` as known here; None: unknown
@@ -595,6 +692,11 @@ class ClusterNode:
             if not self.role.is_leader:
                 continue
             for k in self.arbiter.idle(trio.current_time() - self.group_timeout):
+                b = self.arbiter.bindings.get(k)
+                if b is not None and self._node_down(b.node):
+                    # its messages may still wait in the bridges or in the node's store:
+                    # expiring it now would let newer messages overtake them
+                    continue
                 await self._unbind(k)
 
     async def _unbind(self, key: str) -> None:
@@ -1043,17 +1145,24 @@ class ClusterNode:
 
     def bindings(self) -> list[dict[str, Any]]:
         now = trio.current_time()
-        return [
-            {
+        rows = []
+        for b in self.arbiter.bindings.values():
+            if not b.ready.is_set():
+                continue
+            row: dict[str, Any] = {
                 "key": b.key,
                 "node": b.node,
                 "queue": b.queue,
                 "epoch": b.epoch,
                 "idleMillis": int((now - b.last_used) * 1000),
             }
-            for b in self.arbiter.bindings.values()
-            if b.ready.is_set()
-        ]
+            p = self.peers.get(b.node)
+            if p is not None and p.lost and self.loss_policy == "wait":
+                since = p.down_since if p.down_since is not None else now
+                row["waitingFor"] = b.node
+                row["waitingSinceMillis"] = int((now - since) * 1000)
+            rows.append(row)
+        return rows
 
     def _bindings_request(self, respond: Callable[[int, str, Any], None]) -> None:
         if self.role.is_leader:
@@ -1109,6 +1218,8 @@ class ClusterNode:
         return {
             "node": self.node_id,
             "grouping": self.grouping or "off",
+            "nodeLossPolicy": self.loss_policy,
+            "waitingFor": self.waiting(),
             "arbiter": self.role.leader_id or "",
             "epoch": self.role.epoch,
             "isArbiter": self.role.is_leader,
@@ -1132,6 +1243,8 @@ class ClusterNode:
                     "node": p.node_id,
                     "address": f"{p.host}:{p.port}",
                     "link": "up" if p.ready else "down",
+                    # down for longer than cluster_node_timeout
+                    "lost": p.lost,
                     "downForMillis": 0
                     if p.down_since is None
                     else int((now - p.down_since) * 1000),

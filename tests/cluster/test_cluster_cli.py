@@ -126,3 +126,36 @@ async def test_cluster_status_shows_nodes_links_arbiter_and_bindings(
 async def test_cluster_status_of_an_unreachable_node_exits_2(cluster: Cluster) -> None:
     r = await cli("cluster", "status", "--url", url(cluster, "node1"))
     assert r.exit_code == 2, r.output
+
+
+def test_a_node_with_cluster_zookeeper_but_no_kazoo_refuses_to_start(tmp_path: Path) -> None:
+    """Issue 20: it used to start, log "listening" and lose its election thread to an
+    ImportError traceback. The child blocks `import kazoo` as an uninstalled one."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['kazoo'] = None\n"
+        "from amqbroker.cli import main\n"
+        "sys.argv = ['amqbroker', 'run', '--port', '0', '--data-dir', sys.argv[1]]\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMQBROKER_")}
+    env |= {
+        "AMQBROKER_CLUSTER_NODE_ID": "node1",
+        "AMQBROKER_CLUSTER_PEERS": "node2=127.0.0.1:1",
+        "AMQBROKER_CLUSTER_GROUPING": "LOCAL",
+        "AMQBROKER_CLUSTER_ZOOKEEPER": "127.0.0.1:1",
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "data")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert p.returncode != 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert "kazoo" in lines[-1] and "not installed" in lines[-1], p.stderr
+    assert "Traceback" not in p.stderr and "listening" not in p.stderr, p.stderr

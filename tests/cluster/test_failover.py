@@ -26,21 +26,12 @@ import pytest
 import trio
 from proton import Delivery, Message
 
-import amqbroker.cluster.node as cluster_node
 from tests.client import Client, Received
 from tests.cluster.cluster_helpers import NODES, Cluster, mgmt
 from tests.cluster.zk_harness import ZooKeeperServer, zk_path, zookeeper  # noqa: F401
 from tests.integration.broker_process import BrokerProcesses
 
-INTEGRATED = "election" in Path(cluster_node.__file__).read_text(encoding="utf-8")
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        not INTEGRATED,
-        reason="cluster core not integrated: amqbroker/cluster/node.py does not start the "
-        "ZooKeeper election (amqbroker.cluster.election.zk_election) yet",
-    ),
-]
+pytestmark = pytest.mark.timeout(120)
 
 SESSION_MS = 1000
 WAIT = 30.0

@@ -1,4 +1,4 @@
-"""Losing a REMOTE node mid-traffic (issue 15, GROUPING 7.8 "node leaves the cluster").
+"""Losing a REMOTE node mid-traffic under `cluster_node_loss_policy = "move"` (GROUPING 7.8).
 
 Three broker processes: node1 (LOCAL arbiter), node2 and node3 (REMOTE). Consumers
 on node2 and node3, producers on node1 and node2 sending rounds of grouped, durable
@@ -52,7 +52,11 @@ async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluste
     procs = BrokerProcesses(nursery, cwd=tmp_path)
     try:
         c = Cluster(procs, tmp_path, nursery)
-        c.extra_env = {"AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT)}
+        c.extra_env = {
+            "AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT),
+            # this test is about the policy that moves a lost node's groups
+            "AMQBROKER_CLUSTER_NODE_LOSS_POLICY": "move",
+        }
         yield c
     finally:
         await procs.aclose()

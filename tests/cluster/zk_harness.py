@@ -164,6 +164,9 @@ class ZooKeeperServer:
 def zookeeper() -> Iterator[ZooKeeperServer]:
     reason = missing()
     if reason is not None:
+        if os.environ.get("CI"):
+            # in CI the cluster tests run or fail: scripts/test installs ZooKeeper there
+            pytest.fail(reason.replace("skipped", "cannot run in CI"))
         pytest.skip(reason)
     with tempfile.TemporaryDirectory(prefix="amqbroker-zk-") as tmp:
         server = ZooKeeperServer(Path(tmp))

@@ -1,0 +1,285 @@
+"""A node lost for longer than `cluster_node_timeout` under the default node loss policy
+`wait` (issue 20): its groups stay bound to it, their new messages wait in order in
+the survivors' bridges, and when it is back every group is still consumed on one queue
+instance only, in order per (group, producer).
+
+Two runs with real broker processes:
+
+* a REMOTE node that owns groups and holds stored messages of them (its consumer
+  takes only a few) is SIGKILLed mid-traffic, stays down well past the node timeout,
+  and is restarted on its data directory;
+* the same with the arbiter itself, elected in a real ZooKeeper: the backup takes
+  over with the replicated table, and the groups bound to the dead arbiter's queue
+  instance wait for it.
+
+Each run checks from the clients' own records: every accepted message is delivered;
+each group reaches exactly the node it was bound to before the loss; the first
+deliveries of each (group, producer) are in sending order across the consumer sessions
+of that node (a message the dead node had delivered but not settled is delivered again
+after the restart: such repeats are not first deliveries); during the outage the
+arbiter's `clusterStatus` reports the groups as waiting for the lost node, and its
+bindings do not change.
+
+Producers send through the surviving nodes only: a message accepted by an entry node
+that then dies, and not yet forwarded, waits in that node's bridge until it is back
+(GROUPING 7.11), so a producer that moves to another entry node can overtake it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from proton import Delivery, Message
+
+from tests.client import Client, ClientError
+from tests.cluster.cluster_helpers import Cluster, mgmt
+from tests.cluster.test_failover import start_elected, wait_status
+from tests.cluster.zk_harness import ZooKeeperServer, zk_path, zookeeper  # noqa: F401
+from tests.integration.broker_process import BrokerProcesses
+
+pytestmark = pytest.mark.timeout(150)
+
+GROUPS = [f"g{i}" for i in range(12)]
+ROUNDS = 150
+KILL_AT = 12
+PACE = 0.05
+NODE_TIMEOUT = 2.0
+DOWN_FOR = NODE_TIMEOUT + 2.5  # the node stays down well past the node timeout
+STALLED = 20  # credit of the doomed node's consumer: the rest stays stored there
+WAIT = 40.0
+
+
+class Session:
+    """One consumer connection on one node, accepting what it gets, in arrival order."""
+
+    def __init__(self, node: str, credit: int = 5000) -> None:
+        self.node = node
+        self.credit = credit
+        self.bodies: list[str] = []
+        self.client: Client | None = None
+
+    async def run(self, cluster: Cluster, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.client = await cluster.connect(self.node)
+        r = await self.client.receiver("orders", credit=self.credit)
+        task_status.started()
+        try:
+            while True:
+                m = await r.receive(timeout=3600)
+                r.accept(m)
+                self.bodies.append(str(m.body))
+        except ClientError:
+            return  # the node went away
+
+
+async def bindings(cluster: Cluster, node: str) -> dict[str, dict[str, Any]]:
+    async with await cluster.connect(node) as c:
+        rows = await mgmt(c, "groupingBindings", "org.amqbroker.grouping")
+    return {str(b["key"]).rsplit(".", 1)[0]: dict(b) for b in rows}
+
+
+async def run_node_loss(
+    cluster: Cluster,
+    nursery: trio.Nursery,
+    *,
+    victim: str,
+    arbiter_after: str,
+    consumers: tuple[str, ...],
+    producers: tuple[str, str],
+) -> str:
+    """Kill `victim` mid-traffic, keep it down for DOWN_FOR s, restart it, check.
+
+    The first producer has no local consumer: its first round, sent before the other
+    producer starts, spreads the groups round robin over the consumers' nodes."""
+    sessions: list[Session] = []
+    for n in consumers:
+        s = Session(n, credit=STALLED if n == victim else 5000)
+        await nursery.start(s.run, cluster)
+        sessions.append(s)
+    await trio.sleep(0.3)  # consumers announced to the peers
+    accepted: dict[str, list[str]] = {n: [] for n in producers}
+    refused: list[tuple[str, Any]] = []
+    round_done = dict.fromkeys(producers, -1)
+    first_round = trio.Event()
+
+    async def produce(node: str) -> None:
+        async with await cluster.connect(node) as c:
+            snd = await c.sender("orders")
+            if node != producers[0]:
+                await first_round.wait()
+            for k in range(ROUNDS):
+                msgs = [Message(body=f"{g}:{k}:{node}", group_id=g, durable=True) for g in GROUPS]
+                ds = await snd.send_many(msgs, timeout=WAIT)
+                for m, d in zip(msgs, ds, strict=True):
+                    if d.remote_state == Delivery.ACCEPTED:
+                        accepted[node].append(str(m.body))
+                    else:
+                        refused.append((str(m.body), d.remote_state))
+                round_done[node] = k
+                first_round.set()
+                await trio.sleep(PACE)
+
+    waiting: dict[str, Any] = {}
+    async with trio.open_nursery() as prod:
+        for n in producers:
+            prod.start_soon(produce, n)
+        with trio.fail_after(WAIT):
+            while True:  # polled: the producers' progress, not an event
+                if min(round_done.values()) >= KILL_AT:
+                    break
+                await trio.sleep(0.01)
+        before = await bindings(cluster, arbiter_after)
+        assert set(before) == set(GROUPS)
+        owned = {g for g, b in before.items() if b["node"] == victim}
+        assert owned, f"{victim} owns no group: {before}"
+        cluster.proc[victim].kill()
+        killed_at = trio.current_time()
+        # past the node timeout the arbiter reports the groups as waiting for the victim
+        with trio.fail_after(WAIT):
+            while True:
+                try:
+                    st = await cluster.status(arbiter_after)
+                except ClientError:
+                    st = {}
+                rows = [w for w in st.get("waitingFor", ()) if w["node"] == victim]
+                if st.get("isArbiter") and rows and rows[0]["groups"] == len(owned):
+                    waiting = rows[0]
+                    break
+                await trio.sleep(0.05)
+        assert st["nodeLossPolicy"] == "wait"
+        during = await bindings(cluster, arbiter_after)
+        assert {g: b["node"] for g, b in during.items()} == {
+            g: b["node"] for g, b in before.items()
+        }, "a group moved while its node was lost"
+        assert all(during[g].get("waitingFor") == victim for g in owned), during
+        await trio.sleep(max(0.0, killed_at + DOWN_FOR - trio.current_time()))
+        assert min(round_done.values()) < ROUNDS - 20, "traffic ended before the restart"
+        await cluster.start_node(victim)
+        s2 = Session(victim)
+        await nursery.start(s2.run, cluster)
+        sessions.append(s2)
+    assert not refused, refused[:5]
+
+    want = {b for v in accepted.values() for b in v}
+    assert len(want) == len(producers) * ROUNDS * len(GROUPS)
+
+    def received() -> set[str]:
+        return {b for s in sessions for b in s.bodies}
+
+    try:
+        with trio.fail_after(WAIT):
+            while True:
+                if want <= received():
+                    break
+                await trio.sleep(0.05)
+    except trio.TooSlowError:
+        missing = sorted(want - received())
+        for n in ("node1", "node2", "node3"):
+            print(n, await cluster.status(n))
+            print("\n".join(cluster.proc[n].stderr_lines[-15:]))
+        raise AssertionError(f"{len(missing)} accepted message(s) never delivered") from None
+    await trio.sleep(0.3)  # late copies, if any, arrive now
+
+    after = await bindings(cluster, arbiter_after)
+    assert {g: b["node"] for g, b in after.items()} == {g: b["node"] for g, b in before.items()}
+    # one node per group: the one it was bound to before the loss
+    where: dict[str, set[str]] = {g: set() for g in GROUPS}
+    for s in sessions:
+        for b in s.bodies:
+            where[b.split(":")[0]].add(s.node)
+    for g in GROUPS:
+        assert where[g] == {before[g]["node"]}, (g, where[g], before[g])
+    # first deliveries in order per (group, producer), across a node's sessions in turn
+    repeats = 0
+    for node in consumers:
+        last: dict[tuple[str, str], int] = {}
+        seen: set[str] = set()
+        for s in sessions:
+            if s.node != node:
+                continue
+            for b in s.bodies:
+                if b in seen:
+                    repeats += 1
+                    continue
+                seen.add(b)
+                g, seq, src = b.split(":")
+                assert last.get((g, src), -1) < int(seq), (
+                    f"{g} from {src}: seq {seq} after {last[(g, src)]} on {node}"
+                )
+                last[(g, src)] = int(seq)
+    for s in sessions:
+        if s.client is not None:
+            s.client.abort()
+    return (
+        f"{len(owned)} group(s) waited for {victim} ({waiting['bridgeDepth']} message(s) "
+        f"in the reporting node's bridge); {len(want)} delivered; repeats after restart: "
+        f"{repeats}"
+    )
+
+
+@pytest.fixture
+async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
+    procs = BrokerProcesses(nursery, cwd=tmp_path)
+    try:
+        c = Cluster(procs, tmp_path, nursery)
+        c.extra_env = {"AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT)}
+        yield c
+    finally:
+        await procs.aclose()
+
+
+async def test_a_lost_remote_nodes_groups_wait_for_it_in_order(
+    cluster: Cluster, nursery: trio.Nursery
+) -> None:
+    await cluster.start()
+    await cluster.wait_linked()
+    report = await run_node_loss(
+        cluster,
+        nursery,
+        victim="node3",
+        arbiter_after="node1",
+        consumers=("node2", "node3"),
+        producers=("node1", "node2"),
+    )
+    print(report)
+
+
+@pytest.fixture
+async def zc(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+    zk_path: str,  # noqa: F811
+) -> AsyncIterator[Cluster]:
+    procs = BrokerProcesses(nursery, cwd=tmp_path)
+    c = Cluster(procs, tmp_path, nursery)
+    c.extra_env = {
+        "AMQBROKER_CLUSTER_ZOOKEEPER": zookeeper.hosts,
+        "AMQBROKER_CLUSTER_ZOOKEEPER_PATH": zk_path,
+        "AMQBROKER_CLUSTER_ZOOKEEPER_SESSION_TIMEOUT": "1000",
+        "AMQBROKER_CLUSTER_ZOOKEEPER_RECONNECT_MAX_DELAY": "200",
+        "AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT),
+    }
+    try:
+        yield c
+    finally:
+        await procs.aclose()
+
+
+async def test_a_lost_arbiters_groups_wait_for_it_after_the_takeover(
+    zc: Cluster, nursery: trio.Nursery
+) -> None:
+    await start_elected(zc)
+    report = await run_node_loss(
+        zc,
+        nursery,
+        victim="node1",
+        arbiter_after="node2",
+        consumers=("node1", "node2"),
+        producers=("node3", "node2"),
+    )
+    print(report)
+    await wait_status(zc, "node1", lambda s: s["arbiter"] == "node2", "node1 follows node2")

@@ -197,6 +197,7 @@ class BrokerApp:
             max_batch_bytes=s.store_max_batch_bytes,
             compact_min_bytes=s.store_compact_min_bytes,
             compact_live_ratio=s.store_compact_live_ratio,
+            count_before_delivery=s.store_delivery_count_before_delivery,
         )
         recovered = journal.open()
         self.journal = journal

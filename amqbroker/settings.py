@@ -347,6 +347,7 @@ class Settings(BaseSettings):
     store_max_batch_bytes: ConfigInt = Field(default=4 * MIB, ge=1)
     store_compact_min_bytes: ConfigInt = Field(default=16 * MIB, ge=0)
     store_compact_live_ratio: ConfigFloat = Field(default=0.5, gt=0, le=1)
+    store_delivery_count_before_delivery: bool = True
     # paging (address_full_policy PAGE, amqbroker.store.paging)
     page_size_bytes: ConfigInt = Field(default=10 * MIB, ge=4 * KIB)
     page_read_ahead_bytes: ConfigInt = Field(default=4 * MIB, ge=1)

@@ -139,6 +139,7 @@ class BridgeConsumer(Consumer):
     """The consumer of a bridge queue: the outbound link to the peer."""
 
     __slots__ = ("flush", "sender", "unsettled")
+    counts_attempts = False
 
     def __init__(self, peer_id: str, sender: PeerSender, flush: Callable[[], None]) -> None:
         super().__init__(f"$cluster.bridge->{peer_id}")

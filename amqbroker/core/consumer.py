@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 
 class Consumer:
+    #: a delivery to this consumer is a delivery attempt (delivery-count, recorded
+    #: before delivery by the store): False for internal consumers such as the
+    #: cluster's bridge links, whose resends after a crash are no failed attempt
+    counts_attempts: bool = True
+
     __slots__ = (
         "attached_at",
         "blocked",

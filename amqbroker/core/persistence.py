@@ -24,6 +24,15 @@ class Persistence(Protocol):
 
     def delivery_count_updated(self, qid: int, entry: Entry) -> None: ...
 
+    def message_delivered(self, qid: int, entry: Entry) -> None:
+        """`entry` goes to a consumer unsettled: a store that counts before delivery
+        records delivery-count + 1 now, so that a crash before the outcome counts the
+        attempt as a lost connection does."""
+
+    def message_returned(self, qid: int, entry: Entry) -> None:
+        """`entry` came back uncounted (released, clean detach): undo
+        `message_delivered`'s count."""
+
     def begin_atomic(self) -> None:
         """Records buffered from here to `end_atomic` survive a crash all together or
         not at all (a transaction's commit). Not nested."""
@@ -47,6 +56,12 @@ class NoPersistence:
         pass
 
     def delivery_count_updated(self, qid: int, entry: Entry) -> None:
+        pass
+
+    def message_delivered(self, qid: int, entry: Entry) -> None:
+        pass
+
+    def message_returned(self, qid: int, entry: Entry) -> None:
         pass
 
     def begin_atomic(self) -> None:

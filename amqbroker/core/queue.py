@@ -629,6 +629,8 @@ class Queue:
         else:
             c.inflight += 1
             self.inflight += 1
+            if e.durable and self.durable and c.counts_attempts:
+                self._store.message_delivered(self.qid, e)
             c.deliver(e, first)
             if self._dlog is not None:
                 self._dlog.event(dl.DISPATCHED, self.name, e, c)
@@ -750,6 +752,8 @@ class Queue:
         for e in unsettled:
             n += 1
             if not failed or self._count_failure(e):
+                if not failed and e.durable and self.durable and c.counts_attempts:
+                    self._store.message_returned(self.qid, e)
                 back.append(e)
                 if dlog is not None:
                     dlog.event(dl.RELEASED, self.name, e, c)
@@ -928,6 +932,8 @@ class Queue:
             self._check_pause()
             self._settled_by(c)
             return
+        if not delivery_failed and e.durable and self.durable and c.counts_attempts:
+            self._store.message_returned(self.qid, e)
         g = self._groups.get(e.gkey) if e.gkey is not None else None
         if undeliverable_here:
             self._undeliverable.setdefault(e, set()).add(c)

@@ -356,6 +356,7 @@ class Journal:
         max_batch_bytes: int = 4 << 20,
         compact_min_bytes: int = 16 << 20,
         compact_live_ratio: float = 0.5,
+        count_before_delivery: bool = False,
     ) -> None:
         if segment_size <= SEGMENT_HEADER_SIZE:
             raise ValueError("segment_size too small")
@@ -369,6 +370,10 @@ class Journal:
         self._max_batch_bytes = max_batch_bytes
         self._compact_min_bytes = compact_min_bytes
         self._compact_live_ratio = compact_live_ratio
+        #: store_delivery_count_before_delivery: a DCOUNT of count + 1 is buffered when
+        #: a durable message goes out unsettled (`message_delivered`), and the true
+        #: count again when it comes back uncounted (`message_returned`)
+        self._count_before_delivery = count_before_delivery
 
         self._opened = False
         self._closed = False
@@ -840,6 +845,21 @@ class Journal:
         if m is None or entry.seq not in m:
             return
         self._put(encode_dcount(qid, entry.seq, entry.delivery_count))
+
+    def message_delivered(self, qid: int, entry: Entry) -> None:
+        if not self._count_before_delivery:
+            return
+        s = self._segs.get(entry.store_ref)
+        if s is None or not self._usable:
+            return
+        m = s.msgs.get(qid)
+        if m is None or entry.seq not in m:
+            return
+        self._put(encode_dcount(qid, entry.seq, entry.delivery_count + 1))
+
+    def message_returned(self, qid: int, entry: Entry) -> None:
+        if self._count_before_delivery:
+            self.delivery_count_updated(qid, entry)
 
     # ================================================================= atomic groups
 

@@ -50,16 +50,20 @@ PACE = 0.05
 NODE_TIMEOUT = 2.0
 DOWN_FOR = NODE_TIMEOUT + 2.5  # the node stays down well past the node timeout
 STALLED = 20  # credit of the doomed node's consumer: the rest stays stored there
+UNSETTLED = 3  # of which it leaves the last ones unsettled when its node dies
 WAIT = 40.0
 
 
 class Session:
-    """One consumer connection on one node, accepting what it gets, in arrival order."""
+    """One consumer connection on one node, accepting what it gets, in arrival order;
+    the messages past `settle_first` it keeps unsettled."""
 
-    def __init__(self, node: str, credit: int = 5000) -> None:
+    def __init__(self, node: str, credit: int = 5000, settle_first: int | None = None) -> None:
         self.node = node
         self.credit = credit
+        self.settle_first = settle_first
         self.bodies: list[str] = []
+        self.counts: list[int] = []
         self.client: Client | None = None
 
     async def run(self, cluster: Cluster, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -69,8 +73,10 @@ class Session:
         try:
             while True:
                 m = await r.receive(timeout=3600)
-                r.accept(m)
+                if self.settle_first is None or len(self.bodies) < self.settle_first:
+                    r.accept(m)
                 self.bodies.append(str(m.body))
+                self.counts.append(int(m.message.delivery_count))
         except ClientError:
             return  # the node went away
 
@@ -96,7 +102,11 @@ async def run_node_loss(
     producer starts, spreads the groups round robin over the consumers' nodes."""
     sessions: list[Session] = []
     for n in consumers:
-        s = Session(n, credit=STALLED if n == victim else 5000)
+        s = (
+            Session(n, credit=STALLED, settle_first=STALLED - UNSETTLED)
+            if n == victim
+            else Session(n)
+        )
         await nursery.start(s.run, cluster)
         sessions.append(s)
     await trio.sleep(0.3)  # consumers announced to the peers
@@ -194,15 +204,17 @@ async def run_node_loss(
         assert where[g] == {before[g]["node"]}, (g, where[g], before[g])
     # first deliveries in order per (group, producer), across a node's sessions in turn
     repeats = 0
+    repeat_counts: list[int] = []
     for node in consumers:
         last: dict[tuple[str, str], int] = {}
         seen: set[str] = set()
         for s in sessions:
             if s.node != node:
                 continue
-            for b in s.bodies:
+            for b, count in zip(s.bodies, s.counts, strict=True):
                 if b in seen:
                     repeats += 1
+                    repeat_counts.append(count)
                     continue
                 seen.add(b)
                 g, seq, src = b.split(":")
@@ -210,6 +222,9 @@ async def run_node_loss(
                     f"{g} from {src}: seq {seq} after {last[(g, src)]} on {node}"
                 )
                 last[(g, src)] = int(seq)
+    # unsettled when its node died: delivered again, counting that failed attempt
+    assert repeats >= UNSETTLED, repeats
+    assert all(n >= 1 for n in repeat_counts), repeat_counts
     for s in sessions:
         if s.client is not None:
             s.client.abort()

@@ -327,8 +327,10 @@ async def test_delivery_count_is_recovered(
     counts = {index(x): x.message.delivery_count for x in back}
     assert [index(x) for x in back] == [0, 1, 2]
     assert counts[0] == 2, counts
-    assert counts[1] in (1, 2), counts
-    assert counts[2] in (0, 1), counts
+    # unsettled when the broker died: that attempt counts, as a lost connection's does
+    # (store_delivery_count_before_delivery, issue 20)
+    assert counts[1] == 2, counts
+    assert counts[2] == 1, counts
 
 
 # ---------------------------------------------------------------- graceful stop

@@ -166,6 +166,10 @@ class BrokerApp:
     def _to_trio(self, t: float) -> float:
         return t - self._epoch0 + self._trio0
 
+    def cluster_waiting(self) -> list[dict[str, Any]]:
+        """Lost cluster nodes whose groups wait for them (telemetry reads it)."""
+        return self.cluster.waiting() if self.cluster is not None else []
+
     # ---------------------------------------------------------------- build
     def _build(self) -> None:
         s = self.settings

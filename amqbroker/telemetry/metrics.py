@@ -198,6 +198,34 @@ INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
 )
 SYNC_LATENCY = "amqbroker.store.sync.latency"
 
+#: cluster node loss (issue 20): exported only by a cluster node while a peer is lost
+CLUSTER_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
+    (
+        "amqbroker.cluster.waiting.groups",
+        _GAUGE,
+        "{group}",
+        "groups bound to a lost node that wait for it (cluster_node_loss_policy = wait)",
+        "amqbroker_cluster_waiting_groups",
+    ),
+    (
+        "amqbroker.cluster.waiting.messages",
+        _GAUGE,
+        "{message}",
+        "messages held in order in this node's bridge to a lost node",
+        "amqbroker_cluster_waiting_messages",
+    ),
+    (
+        "amqbroker.cluster.waiting.duration",
+        _GAUGE,
+        "s",
+        "how long the groups of a lost node have waited for it",
+        "amqbroker_cluster_waiting_duration_seconds",
+    ),
+)
+INSTRUMENTS = INSTRUMENTS + CLUSTER_INSTRUMENTS
+#: the Prometheus names only a cluster node with a lost peer exports
+CLUSTER_EXPORTED: frozenset[str] = frozenset(row[4] for row in CLUSTER_INSTRUMENTS)
+
 #: every metric family the Prometheus endpoint exports (histograms: the base name,
 #: exported as _bucket, _sum and _count)
 EXPORTED: frozenset[str] = frozenset(
@@ -226,11 +254,13 @@ class Metrics:
         connections: Callable[[], int],
         clock: Callable[[], float],
         top_groups: int,
+        cluster_waiting: Callable[[], list[dict[str, Any]]] = list,
     ) -> None:
         self._broker = broker
         self._journal = journal
         self._connections = connections
         self._clock = clock
+        self._cluster_waiting = cluster_waiting
         self.top_groups = top_groups
         self._snap: dict[str, Points] = {}
         for name, kind, unit, description, _ in INSTRUMENTS:
@@ -278,6 +308,11 @@ class Metrics:
             now = self._clock()
             for q in b.queues.values():
                 self._queue(put, q, now)
+        for w in self._cluster_waiting():
+            attrs = {"node": str(w["node"])}
+            put("amqbroker.cluster.waiting.groups", w["groups"], attrs)
+            put("amqbroker.cluster.waiting.messages", w["bridgeDepth"], attrs)
+            put("amqbroker.cluster.waiting.duration", w["sinceMillis"] / 1000.0, attrs)
         self._snap = snap
 
     def _queue(self, put: Callable[..., None], q: Queue, now: float) -> None:

@@ -53,6 +53,10 @@ class Source(Protocol):
 
     def clock(self) -> float: ...
 
+    def cluster_waiting(self) -> list[dict[str, Any]]:
+        """Lost cluster nodes whose groups wait for them (`ClusterNode.waiting`)."""
+        ...
+
 
 def _otlp(kind: str) -> Any:
     try:
@@ -114,6 +118,7 @@ class Telemetry:
                 connections=lambda: len(source.hub.drivers),
                 clock=source.clock,
                 top_groups=s.metrics_top_groups,
+                cluster_waiting=source.cluster_waiting,
             )
         self.tracer_provider: TracerProvider | None = None
         self.tracing: Tracing | None = None

@@ -6,9 +6,11 @@ the store writer (group commit: take everything buffered, write + fsync in a wor
 thread, then settle the producers waiting for that batch), the core timer loop, the
 deferred-dispatch loop, the expiry reaper and the slow-consumer check.
 
-Connection limits: `max_connections` (all connections, refused ones included while
-they close) and `max_connections_per_address` (admitted connections per client IP,
-counted in `_per_address`, whose entry goes when its last connection ends). A
+Connection limits: `max_connections` (all connections, refused ones included, until
+the broker's close or refusal is written: `Hub.slots`; the linger waiting for the
+peer to close its side is not counted) and `max_connections_per_address` (admitted
+connections per client IP, counted in `_per_address` until the same point, whose
+entry goes when its last connection is released). A
 connection over either is opened and closed at once with amqp:resource-limit-exceeded
 and a description naming the setting.
 
@@ -454,7 +456,7 @@ class BrokerApp:
         assert self._tls_context is not None
         s = self.settings
         accepted_at = trio.current_time()
-        if len(self.hub.drivers) + self._tls_handshakes >= s.max_connections:
+        if self.hub.slots + self._tls_handshakes >= s.max_connections:
             log.warning(
                 "refusing TLS connection from %s: max_connections (%d) reached (counting "
                 "%d TLS handshake(s) in progress); closed before the handshake",
@@ -498,7 +500,7 @@ class BrokerApp:
         ip = peer.rpartition(":")[0] or peer  # "host:port", IPv6 host unbracketed
         per_address = self.settings.max_connections_per_address
         admitted = False
-        if len(self.hub.drivers) >= self.settings.max_connections:
+        if self.hub.slots >= self.settings.max_connections:
             limits = self._refuse_limits
             log.warning(
                 "refusing connection from %s: max_connections (%d) reached",
@@ -535,6 +537,17 @@ class BrokerApp:
             on_dirty=self.hub.on_dirty,
             tls_identity=tls_identity,
         )
+        release: Callable[[], None] | None = None
+        if admitted:  # counted from here on: the driver's release_slot takes it back
+
+            def release() -> None:
+                left = self._per_address[ip] - 1
+                if left:
+                    self._per_address[ip] = left
+                else:
+                    del self._per_address[ip]
+
+            self._per_address[ip] = self._per_address.get(ip, 0) + 1
         driver: ConnectionDriver
         if stream is None:
             driver = Driver(
@@ -543,6 +556,7 @@ class BrokerApp:
                 sock,
                 read_size=self.settings.read_buffer_size,
                 handshake_timeout=self.settings.handshake_timeout,
+                on_release=release,
             )
         else:
             driver = StreamDriver(
@@ -553,18 +567,12 @@ class BrokerApp:
                 read_size=self.settings.read_buffer_size,
                 handshake_timeout=self.settings.handshake_timeout,
                 accepted_at=accepted_at,
+                on_release=release,
             )
-        if admitted:  # counted from here on: the finally below takes it back
-            self._per_address[ip] = self._per_address.get(ip, 0) + 1
         try:
             await driver.run()
         finally:
-            if admitted:
-                left = self._per_address[ip] - 1
-                if left:
-                    self._per_address[ip] = left
-                else:
-                    del self._per_address[ip]
+            driver.release_slot()
 
     async def _graceful_close(self, conns: trio.Nursery) -> None:
         """Settle what producers wait for, close connections, wait for the peers."""

@@ -27,7 +27,11 @@ reader's task.
 Lifetime: the driver ends when the peer closes the transport, the transport fails, or
 the connection's output is finished (after our close frame) and the peer closed its
 side or the linger (`handshake_timeout`) ran out. Ending always runs the connection's
-cleanup, so unsettled messages go back to their queues. One deadline,
+cleanup, so unsettled messages go back to their queues. A driver holds a connection
+slot (`Hub.slots`, what `max_connections` counts; the app's `on_release` frees the
+per-address one) until its output is finished or it ends, whichever is first: a
+peer that keeps its socket open after our close or refusal does not keep others
+out. One deadline,
 `handshake_timeout` after the accept, bounds the whole opening (TLS handshake, SASL,
 AMQP open).
 """
@@ -59,6 +63,9 @@ class Hub:
         self.after_flush: list[Callable[[], object]] = []
         #: unparked whenever a driver ends (shutdown waits on it)
         self.drivers_changed = trio.lowlevel.ParkingLot()
+        #: connections holding a slot (what max_connections counts): every driver
+        #: until its output is finished (our close frame, or refusal, is written)
+        self.slots = 0
 
     def on_dirty(self, conn: AmqpConnection) -> None:
         self._dirty.append(conn)
@@ -101,9 +108,13 @@ class ConnectionDriver:
         read_size: int = 65536,
         handshake_timeout: float = 10.0,
         accepted_at: float | None = None,
+        on_release: Callable[[], object] | None = None,
     ) -> None:
         self.hub = hub
         self.conn = conn
+        self._on_release = on_release
+        self._holds_slot = True
+        hub.slots += 1
         self.read_size = read_size
         self.handshake_timeout = handshake_timeout
         start = trio.current_time() if accepted_at is None else accepted_at
@@ -150,11 +161,22 @@ class ConnectionDriver:
                 n.cancel_scope.cancel()
         finally:
             self._done = True
+            self.release_slot()
             self.hub.drivers.pop(self.conn, None)
             self.hub.drivers_changed.unpark_all()
             self.conn.abort()
             self._close_transport()
             self.hub.flush()
+
+    def release_slot(self) -> None:
+        """Stop counting this connection towards the limits (idempotent): once our
+        close is written, only the linger is left, and a refused client that keeps
+        its socket open must not keep a legitimate one out."""
+        if self._holds_slot:
+            self._holds_slot = False
+            self.hub.slots -= 1
+            if self._on_release is not None:
+                self._on_release()
 
     def _finish(self) -> None:
         self._done = True
@@ -172,6 +194,7 @@ class ConnectionDriver:
         if self._closing:
             return
         self._closing = True
+        self.release_slot()
         if self.conn.transport_failed:
             # idle timeout, framing error: the peer is gone or broken, don't wait
             self._finish()
@@ -232,6 +255,7 @@ class Driver(ConnectionDriver):
         read_size: int = 65536,
         handshake_timeout: float = 10.0,
         accepted_at: float | None = None,
+        on_release: Callable[[], object] | None = None,
     ) -> None:
         self.sock = sock
         super().__init__(
@@ -240,6 +264,7 @@ class Driver(ConnectionDriver):
             read_size=read_size,
             handshake_timeout=handshake_timeout,
             accepted_at=accepted_at,
+            on_release=on_release,
         )
 
     async def _reader(self) -> None:
@@ -338,6 +363,7 @@ class StreamDriver(ConnectionDriver):
         read_size: int = 65536,
         handshake_timeout: float = 10.0,
         accepted_at: float | None = None,
+        on_release: Callable[[], object] | None = None,
     ) -> None:
         self.stream = stream
         self._socket = sock
@@ -347,6 +373,7 @@ class StreamDriver(ConnectionDriver):
             read_size=read_size,
             handshake_timeout=handshake_timeout,
             accepted_at=accepted_at,
+            on_release=on_release,
         )
 
     async def _reader(self) -> None:

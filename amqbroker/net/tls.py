@@ -14,7 +14,9 @@ A connection accepted on a TLS listener goes through `handshake` before any AMQP
 socket is wrapped in trio's `SSLStream` (server side) and the handshake must finish by
 the connection's handshake deadline (``handshake_timeout`` after the accept; the same
 deadline then bounds SASL and the AMQP open). A failed or late handshake is logged once,
-at INFO, with the peer and the reason, and closes only that socket. The caller then runs
+at INFO, with the peer and the reason, and closes only that socket; a refused one
+first gets the TLS alert OpenSSL chose (protocol version, certificate required...),
+which trio's SSLStream leaves unsent (`_send_alert`). The caller then runs
 the connection on the stream with `amqbroker.net.driver.StreamDriver`.
 
 The client identity is the subject of the client certificate OpenSSL verified against
@@ -231,6 +233,30 @@ def _reason(exc: BaseException | None) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _send_alert(stream: trio.SSLStream[trio.SocketStream], sock: socket.socket) -> None:
+    """Send the alert OpenSSL wrote when it refused the handshake (protocol version,
+    certificate required, unknown CA...), so the client can say why instead of
+    "unexpected EOF". trio's SSLStream raises before sending what the failed step left
+    in its outgoing buffer; an alert is a few dozen bytes, so one non-blocking send
+    into the empty socket buffer takes it. Then a TCP half-close, and the input that
+    has already arrived is read, so closing the socket sends a FIN after the alert
+    rather than a reset that could make the client drop it. Best effort: any socket
+    error just ends it."""
+    outgoing = getattr(stream, "_outgoing", None)  # the stream's ssl.MemoryBIO
+    if not isinstance(outgoing, ssl.MemoryBIO):
+        return
+    alert = outgoing.read()
+    try:
+        if alert:
+            sock.send(alert)
+        sock.shutdown(socket.SHUT_WR)
+        for _ in range(16):  # bounded: a peer that keeps sending gets the reset
+            if not sock.recv(65536):
+                break
+    except OSError:
+        pass
+
+
 async def handshake(
     sock: socket.socket,
     context: ssl.SSLContext,
@@ -254,6 +280,8 @@ async def handshake(
                 await stream.do_handshake()
             except trio.BrokenResourceError as exc:
                 reason = _reason(exc.__cause__)
+                if isinstance(exc.__cause__, ssl.SSLError):
+                    _send_alert(stream, sock)
             else:
                 cert = stream.getpeercert()
                 identity = subject_rfc4514(cert) if cert else None

@@ -243,6 +243,8 @@ class AmqpConnection:
         )
         self._pre_output = b""
         self._sasl_failed = False
+        #: Proton closed its input without a condition (see `_input_ended`)
+        self._input_failed = False
         self.rbuf = fp.RecvBuffer()
         self._obuf = fp.OutputBuffer()
 
@@ -285,6 +287,8 @@ class AmqpConnection:
                 return
         fp.push_input(self._t, data)
         self.process()
+        if not fp.input_open(self._t):
+            self._input_ended()
         # input almost always produces output (dispositions, flow): flush this batch
         self.mark_dirty()
 
@@ -311,8 +315,35 @@ class AmqpConnection:
 
     @property
     def transport_failed(self) -> bool:
-        """Proton ended the transport with an error (idle timeout, framing error)."""
-        return self._sasl is None and self._transport.condition is not None
+        """Proton ended the transport with an error (idle timeout, framing error, a
+        frame it could not dispatch)."""
+        return self._input_failed or (self._sasl is None and self._transport.condition is not None)
+
+    def _input_ended(self) -> None:
+        """Proton closed its input side. After the peer's close, or with a condition
+        of its own (a framing error it answers itself), there is nothing to add. But a
+        frame it cannot dispatch (an unknown performative descriptor, a SASL frame after
+        the AMQP open, an encoding nested too deeply) ends its input silently: the peer
+        would get no answer and the connection would hold its slots until the idle
+        timeout, so the broker closes it here with amqp:decode-error."""
+        if self._input_failed or self._transport.condition is not None:
+            return
+        if self._pconn.state & proton.Endpoint.REMOTE_CLOSED:
+            return
+        self._input_failed = True
+        log.info(
+            "%s: a frame could not be decoded (unknown performative, SASL frame after "
+            "the open, or nested too deeply); connection closed with amqp:decode-error",
+            self.log_prefix(),
+        )
+        self.cleanup(failed=True)
+        self.close(
+            "amqp:decode-error",
+            "the broker could not decode a frame you sent: an unknown performative "
+            "descriptor, a SASL frame after the AMQP open, or an encoding nested too "
+            "deeply; send only AMQP 1.0 performatives after the open",
+        )
+        self.mark_dirty()
 
     def process(self) -> None:
         """Handle pending engine events."""
@@ -327,7 +358,11 @@ class AmqpConnection:
             return None
         if self._sasl is not None:
             return b""
-        return self._obuf.peek(self._t)
+        out = self._obuf.peek(self._t)
+        if self._input_failed and out is not None and not out:
+            # nothing more can come (Proton holds a close back until the peer's open)
+            return None
+        return out
 
     def consumed(self, n: int) -> None:
         if self._pre_output:

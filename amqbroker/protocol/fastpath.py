@@ -308,6 +308,12 @@ def pop_output(transport: Any, n: int) -> None:
     _t_pop(transport, n)
 
 
+def input_open(transport: Any) -> bool:
+    """The transport still takes input (Proton closes its input side on a frame it
+    cannot dispatch, sometimes without a condition)."""
+    return bool(_t_capacity(transport) >= 0)
+
+
 def close_input(transport: Any) -> None:
     _t_close_tail(transport)
 

@@ -19,6 +19,7 @@ from proton import Delivery, Message
 from amqbroker.app import BrokerApp
 from tests.client import Client, ClientError, Receiver, Sender, roundtrip, wait_until
 from tests.conftest import BrokerFactory, ClientFactory, wait_idle
+from tests.integration.amqp_wire import CLOSE, CLOSE_CODE, OPEN, OPEN_CODE, error_of, open_raw
 
 # ---------------------------------------------------------- connections per address
 
@@ -69,6 +70,54 @@ async def test_connections_per_address_unlimited(
     for c in cs:
         await c.close()
     assert (await wait_idle(app))["connections_per_address"] == 0
+
+
+async def test_refused_client_that_keeps_its_socket_open_frees_its_slot(
+    make_broker: BrokerFactory, client: ClientFactory, autojump_clock: Any
+) -> None:
+    """A refused connection stops counting once its refusal is written: a client that
+    reads the refusal but never closes its socket (the broker lingers for it up to
+    handshake_timeout) does not keep a legitimate client out when a slot frees."""
+    app = await make_broker(max_connections=1, handshake_timeout=600)
+    a1 = await client(app)
+    refused = await open_raw(app.listening[0][1], OPEN)
+    try:
+        condition, description = error_of(await refused.until(CLOSE_CODE))
+        assert condition == "amqp:resource-limit-exceeded"
+        assert "max_connections (1)" in description, description
+        # the refused socket stays open, the broker lingers on it; the admitted
+        # connection ends
+        await a1.close()
+        await wait_until(lambda: len(app.hub.drivers) == 1)
+        a2 = await client(app)
+        await roundtrip(a2)
+        assert len(app.hub.drivers) == 2  # the refused one still lingers
+    finally:
+        refused.sock.close()
+
+
+async def test_closed_connection_left_open_by_its_client_frees_its_address_slot(
+    make_broker: BrokerFactory, client: ClientFactory, autojump_clock: Any
+) -> None:
+    """The same for max_connections_per_address: after the close handshake the
+    broker lingers for the client's socket, but no longer counts it."""
+    app = await make_broker(max_connections_per_address=1, handshake_timeout=600)
+    first = await open_raw(app.listening[0][1], OPEN)
+    try:
+        await first.until(OPEN_CODE)
+        assert app._per_address == {"127.0.0.1": 1}
+        await first.send(CLOSE)
+        assert error_of_or_none(await first.until(CLOSE_CODE)) is None
+        c = await client(app)
+        await roundtrip(c)
+        assert app._per_address == {"127.0.0.1": 1}
+        assert len(app.hub.drivers) == 2  # the first one still lingers
+    finally:
+        first.sock.close()
+
+
+def error_of_or_none(fields: list[Any]) -> tuple[str, str] | None:
+    return error_of(fields) if fields and fields[0] is not None else None
 
 
 # --------------------------------------------------------------- max_message_size

@@ -420,6 +420,47 @@ async def test_tls_min_version_refuses_older_clients(
         await trio.aclose_forcefully(stream)
 
 
+@pytest.mark.parametrize(
+    ("case", "alert"),
+    [
+        # below tls_min_version: alert protocol_version (70)
+        ("TLS 1.2 client", "TLSV1_ALERT_PROTOCOL_VERSION"),
+        # no client certificate where one is required: certificate_required (116)
+        ("no certificate", "TLSV13_ALERT_CERTIFICATE_REQUIRED"),
+        # a certificate from a CA not in tls_ca_file: unknown_ca (48)
+        ("rogue certificate", "TLSV1_ALERT_UNKNOWN_CA"),
+    ],
+)
+async def test_refused_handshake_sends_the_alert_that_says_why(
+    make_broker: BrokerFactory, pki: Pki, case: str, alert: str
+) -> None:
+    """Python's ssl client learns why it was refused (the TLS alert), as from any TLS
+    server, instead of an unexpected EOF."""
+    app = await make_broker(
+        **pki.broker_settings(
+            tls_min_version="TLSv1.3", tls_client_auth="required", tls_ca_file=str(pki.ca_file)
+        )
+    )
+    ctx = ssl.create_default_context(cafile=str(pki.ca_file))
+    if case == "TLS 1.2 client":
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    elif case == "rogue certificate":
+        ctx.load_cert_chain(str(pki.rogue_cert), str(pki.rogue_key))
+    stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", tls_port(app), ssl_context=ctx)
+    try:
+        with trio.fail_after(10), pytest.raises(trio.BrokenResourceError) as exc:
+            await stream.do_handshake()
+            # TLS 1.3: the client's side of the handshake is done before the server
+            # checks its certificate, so that alert comes with the first read
+            await stream.send_all(b"AMQP\x00\x01\x00\x00")
+            await stream.receive_some(8)
+        cause = exc.value.__cause__
+        assert isinstance(cause, ssl.SSLError), repr(cause)
+        assert cause.reason == alert, cause
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 async def test_openssl_s_client_verifies_the_broker(make_broker: BrokerFactory, pki: Pki) -> None:
     # the broker drops the silent client after 1 s (real time), which ends s_client

@@ -55,7 +55,11 @@ decoded as UTF-8 (invalid bytes replaced), any other AMQP value is rendered as J
   which it does only after the previous batch is committed. If the query dies first, the broker
   gets them back (connection closed) and redelivers them: at least once, in group
   order. A replayed batch after a restart (``readBetweenOffsets``) receives the same
-  number of messages on a new connection and accepts them once read.
+  number of messages on a new connection and accepts them once read. There is no
+  prefetch window: each micro-batch grants credit only for the messages it may take
+  (``max_batch``, less those already received), so the broker never has more than
+  ``max_batch`` messages out to the query unsettled and a crash returns at most that
+  many (delivery-count + 1): the sink sees at most ``max_batch`` rows again.
 * Batch (`AmqbrokerReader`): one task receives until ``max_messages`` or ``timeout``
   seconds without a message, and accepts them once Spark has read them all.
 
@@ -63,8 +67,8 @@ Options: ``url`` (default amqp://127.0.0.1:5672), ``address`` (required), ``user
 ``password``; write: ``group_column``, ``body_column`` (default body),
 ``group_seq_column``, ``message_id_column``, ``message_id_prefix``, ``properties``,
 ``durable`` (true), ``window`` (1000), ``timeout`` (30 s per broker round trip);
-read: ``credit`` (500), ``max_batch`` (1000), ``wait`` (0.5 s), ``max_messages``
-(10000), ``timeout`` (2 s idle, batch read).
+read: ``credit`` (500, batch read; a stream's credit is ``max_batch``), ``max_batch``
+(1000), ``wait`` (0.5 s), ``max_messages`` (10000), ``timeout`` (2 s idle, batch read).
 """
 
 from __future__ import annotations
@@ -157,14 +161,11 @@ def _address(opts: dict[str, str]) -> str:
 
 
 def _flush(conn: Any) -> None:
-    """Send pending frames (dispositions) without waiting for anything."""
-    container = conn.container
-    old = container.timeout
-    container.timeout = 0.01
-    try:
-        container.process()
-    finally:
-        container.timeout = old
+    """Send pending frames (dispositions) now, without waiting for an answer. (One
+    `container.process()` only dispatches events: the socket is written on a later
+    pass, so the frames waited for the next receive.)"""
+    transport = conn.conn.transport
+    conn.wait(lambda: transport.pending() <= 0, msg="sending dispositions to the broker")
 
 
 # --------------------------------------------------------------------------- writing
@@ -368,9 +369,8 @@ class AmqbrokerStreamReader(SimpleDataSourceStreamReader):
     def _receiver(self) -> Any:
         if self._rcv is None:
             self._conn = _connect(self.opts)
-            self._rcv = self._conn.create_receiver(
-                _address(self.opts), credit=int(self.opts.get("credit", "500"))
-            )
+            # no prefetch window: read() grants the credit of each micro-batch
+            self._rcv = self._conn.create_receiver(_address(self.opts), credit=0)
         return self._rcv
 
     def read(self, start: dict[str, int]) -> tuple[Iterator[tuple[Any, ...]], dict[str, int]]:
@@ -383,15 +383,38 @@ class AmqbrokerStreamReader(SimpleDataSourceStreamReader):
         # has new data, so a quiet stream would otherwise hold the last batch)
         self.commit(start)
         rcv = self._receiver()
+        conn, link, fetcher = self._conn, rcv.link, rcv.fetcher
+        limit = int(self.opts.get("max_batch", "1000"))
+        # credit for what this micro-batch takes, less what is received or still
+        # granted: the broker never has more than `limit` messages out to this
+        # receiver unsettled (the previous batch was accepted just above, and the
+        # disposition goes out before the flow), so a crash returns at most that
+        # many. (BlockingReceiver.receive is not used: it grants one more credit
+        # whenever the link has none, even with messages buffered.)
+        more = limit - fetcher.has_message - link.credit
+        if more > 0:
+            link.drain_mode = False
+            link.flow(more)
         rows: list[tuple[Any, ...]] = []
-        wait = float(self.opts.get("wait", "0.5"))
-        for _ in range(int(self.opts.get("max_batch", "1000"))):
-            try:
-                msg = rcv.receive(timeout=wait if not rows else 0.001)
-            except Timeout:
-                break
+        try:
+            conn.wait(
+                lambda: fetcher.has_message,
+                timeout=float(self.opts.get("wait", "0.5")),
+                msg="waiting for a message",
+            )
+        except Timeout:
+            return iter(rows), {"received": self._next}  # the credit stays for the next
+        # the batch: what the broker has now, up to the credit (a drain: it sends
+        # that or gives the rest of the credit back)
+        link.drain(0)
+        conn.wait(
+            lambda: link.credit == 0 and not link.draining(),
+            msg="waiting for the broker to drain the receiver's credit",
+        )
+        while fetcher.has_message and len(rows) < limit:
+            msg = fetcher.pop()
             # the delivery pop() moved to the fetcher's unsettled queue: ours now
-            self._unacked.append((self._next, rcv.fetcher.unsettled.pop()))
+            self._unacked.append((self._next, fetcher.unsettled.pop()))
             self._next += 1
             rows.append(_row(msg))
         return iter(rows), {"received": self._next}

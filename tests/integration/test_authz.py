@@ -14,6 +14,7 @@ carol    (none)           nothing
 dave     feeder           send/consume under feed.#, but never create there
 erin     vip              send to orders.vip only
 olga     ops              manage
+mona     ops, app         manage, and alice's permissions
 =======  ===============  ==================================================
 """
 
@@ -33,13 +34,14 @@ from tests.integration import mgmt
 
 FAST_ITERATIONS = 1000
 PASSWORD = "pw"
-USERS = ("alice", "bob", "carol", "dave", "erin", "olga")
+USERS = ("alice", "bob", "carol", "dave", "erin", "olga", "mona")
 ROLES = {
     "alice": ["app"],
     "bob": ["audit"],
     "dave": ["feeder"],
     "erin": ["vip"],
     "olga": ["ops"],
+    "mona": ["ops", "app"],
     "anonymous": ["guest"],
 }
 SECURITY: dict[str, dict[str, list[str]]] = {
@@ -333,6 +335,56 @@ async def test_management_answer_may_not_create_an_address(
     )
     assert "may not create address 'orders.replies'" in rejected(d)
     assert "orders.replies" not in app.broker.addresses
+
+
+def query(reply_to: str, rid: str) -> Message:
+    return Message(
+        id=rid,
+        reply_to=reply_to,
+        properties={"operation": "QUERY", "type": "org.amqp.management", "name": "self"},
+        body={"attributeNames": ["name"]},
+    )
+
+
+async def test_management_answer_needs_send_on_the_reply_to(
+    make_broker: BrokerFactory, client: ClientFactory
+) -> None:
+    app = await start(make_broker)
+    assert app.broker is not None
+    alice = await as_user(client, app, "alice")
+    victim = await alice.receiver("orders.eu", credit=10)  # creates the address
+    victim_tmp = await alice.receiver(None, dynamic=True, credit=10)
+    assert victim_tmp.address
+    # olga may manage but not send to orders.#: no answer may be planted there, nor
+    # in another connection's temporary queue
+    olga = await as_user(client, app, "olga")
+    s = await olga.sender("$management")
+    text = rejected(await s.send(query("orders.eu", "planted-1")))
+    assert "reply-to address 'orders.eu'" in text
+    assert "user 'olga' may not send to address 'orders.eu' ('send')" in text
+    text = rejected(await s.send(query(victim_tmp.address, "planted-2")))
+    assert f"user 'olga' may not send to address {victim_tmp.address!r} ('send')" in text
+    await roundtrip(alice)
+    assert not victim.queue and not victim_tmp.queue
+    assert app.broker.queues["orders.eu"].count == 0
+    # its own temporary queue and topic are fine
+    answer = await mgmt.request(olga, "QUERY", type="org.amqp.management", body={})
+    assert answer.status == 200, answer.description
+    topic = await olga.receiver(None, dynamic=True, credit=1, capabilities=["temporary-topic"])
+    assert topic.address
+    d = await s.send(query(topic.address, "own-topic"))
+    assert d.remote_state == Delivery.ACCEPTED, d.remote.condition
+    got = await topic.receive()
+    assert got.message.correlation_id == "own-topic"
+    assert got.properties["statusCode"] == 200
+    # a manager who may send to orders.eu answers there
+    mona = await as_user(client, app, "mona")
+    ms = await mona.sender("$management")
+    d = await ms.send(query("orders.eu", "legit-1"))
+    assert d.remote_state == Delivery.ACCEPTED, d.remote.condition
+    got = await victim.receive()
+    assert got.message.correlation_id == "legit-1"
+    assert got.properties["statusCode"] == 200
 
 
 # ------------------------------------------------------ temporary nodes, unsubscribe

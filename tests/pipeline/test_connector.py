@@ -1,10 +1,15 @@
 """The Spark connector against a real broker process: a grouped write round trip
 (order and sequence per group kept across partitions), duplicates of a retried write
 dropped by the broker's duplicate-detection window, a streaming read that acknowledges
-only what Spark committed, and a batch read."""
+only what Spark committed, a batch read, and a stream reader killed mid-query that
+returns (delivery-count + 1) no more messages than a micro-batch takes."""
 
 from __future__ import annotations
 
+import json
+import select
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,3 +164,110 @@ def test_batch_read_and_split_group_is_refused(spark, broker):
     assert len(got) == GROUPS * PER_GROUP
     assert {r["group_id"] for r in got} == {f"cust-{g}" for g in range(GROUPS)}
     assert drain(broker.url, address) == []
+
+
+def queue_state(url: str, name: str) -> dict[str, Any]:
+    """The queue's management attributes (READ through `$management`)."""
+    from proton import Message
+    from proton.utils import BlockingConnection, SyncRequestResponse
+
+    c = BlockingConnection(url, timeout=10)
+    try:
+        answer = SyncRequestResponse(c, "$management").call(
+            Message(properties={"operation": "READ", "type": "queue", "name": name}, body={})
+        )
+    finally:
+        c.close()
+    assert answer.properties["statusCode"] == 200, answer.properties
+    body: dict[str, Any] = answer.body
+    return body
+
+
+def send_bodies(url: str, address: str, n: int) -> None:
+    from proton import Message
+    from proton.utils import BlockingConnection
+
+    c = BlockingConnection(url, timeout=10)
+    try:
+        snd = c.create_sender(address)
+        for i in range(n):
+            snd.send(Message(body=f"m{i}", id=f"{address}-{i}"))
+    finally:
+        c.close()
+
+
+def test_committed_micro_batch_is_accepted_at_once(broker):
+    """commit(end) sends the accepts right away, not with the next receive (a quiet
+    stream would otherwise keep a committed batch unsettled, to be redelivered by a
+    crash)."""
+    pytest.importorskip("pyspark")
+    from amqbroker.pipeline.connector import AmqbrokerStreamReader
+
+    address = "spark.commit"
+    send_bodies(broker.url, address, 4)
+    r = AmqbrokerStreamReader(
+        {"url": broker.url, "address": address, "max_batch": "3", "wait": "10"}
+    )
+    try:
+        rows, end = r.read({"received": 0})
+        assert [row[3] for row in rows] == ["m0", "m1", "m2"]
+        r.commit(end)
+        st = queue_state(broker.url, address)
+        assert (st["messageCount"], st["deliveringCount"]) == (1, 0), st
+    finally:
+        r.stop()
+
+
+# the stream reader in a process of its own (Spark runs it in the driver's data-source
+# process): two micro-batches, then it waits to be killed
+STREAM_READER = """
+import json, sys
+from amqbroker.pipeline.connector import AmqbrokerStreamReader
+r = AmqbrokerStreamReader({"url": sys.argv[1], "address": sys.argv[2],
+                           "max_batch": sys.argv[3], "wait": "10"})
+rows1, end1 = r.read({"received": 0})
+rows2, end2 = r.read(end1)
+print(json.dumps([len(list(rows1)), len(list(rows2))]), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_killed_stream_reader_returns_at_most_a_micro_batch(broker):
+    """The reader's credit is bounded by max_batch: the broker never has more than
+    that out to it unsettled, so killing it redelivers (delivery-count + 1) only the
+    uncommitted micro-batch, not a whole prefetch window."""
+    pytest.importorskip("pyspark")
+    from proton.utils import BlockingConnection
+
+    address, total, batch = "spark.killed", 60, 10
+    send_bodies(broker.url, address, total)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", STREAM_READER, broker.url, address, str(batch)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdout is not None
+        ready, _, _ = select.select([reader.stdout], [], [], 60)
+        assert ready, "the stream reader did not read its two micro-batches in 60 s"
+        assert json.loads(reader.stdout.readline()) == [batch, batch]
+        # the first batch was accepted when the second was read; only the second is
+        # out to the reader
+        st = queue_state(broker.url, address)
+        assert (st["messageCount"], st["deliveringCount"]) == (total - batch, batch), st
+    finally:
+        reader.kill()
+        reader.communicate(timeout=30)
+    c = BlockingConnection(broker.url, timeout=10)
+    try:
+        rcv = c.create_receiver(address, credit=total)
+        got = [rcv.receive(timeout=10) for _ in range(total - batch)]
+        rcv.accept()
+    finally:
+        c.close()
+    counts = {m.body: m.delivery_count for m in got}
+    assert sorted(counts) == sorted(f"m{i}" for i in range(batch, total))
+    redelivered = sorted((b for b, n in counts.items() if n), key=lambda b: int(b[1:]))
+    assert redelivered == [f"m{i}" for i in range(batch, 2 * batch)], redelivered
+    assert all(n == 1 for n in counts.values() if n)

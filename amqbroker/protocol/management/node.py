@@ -15,7 +15,11 @@ A request names its operation and target in application properties:
 The operation is checked against the type before the entity is looked up, so an
 unsupported operation is a 405 whether or not the entity exists. With security on,
 every request needs `manage` on `$management` (as the attach does), CREATE needs
-`create_address` on a new address and DELETE of a queue or address `delete_address`.
+`create_address` on a new address and DELETE of a queue or address `delete_address`;
+the answer is a send to the request's `reply-to` for the requester, so that takes
+`send` there (and `create_address` if it would create it) unless it is a dynamic node
+of the requester's own connection: if not, the request is rejected with
+amqp:unauthorized-access and no answer is sent.
 
 Extensions: a higher layer registers a handler per request `type`
 (`register(type, handler)`, e.g. the cluster's `org.amqbroker.grouping` and
@@ -39,6 +43,7 @@ from amqbroker.core.broker import Broker
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError
 from amqbroker.protocol import fastpath as fp
+from amqbroker.protocol.links import ConsumerLink, ProducerLink
 from amqbroker.protocol.management.base import (
     BAD_REQUEST,
     CREATED,
@@ -352,16 +357,10 @@ class ManagementLink:
         broker = self.node.broker
         reply_to = request.reply_to
         authz = self.conn.authz
-        if (
-            authz is not None
-            and reply_to not in broker.addresses
-            and broker.resolve(reply_to).auto_create_addresses
-        ):
-            # routing the answer would create the address: that takes its permission
-            denial = authz.denial(self.conn.user, "create_address", reply_to)
-            if denial is not None:
-                fp.reject(d, "amqp:unauthorized-access", denial)
-                return
+        denial = self._reply_denial(reply_to)
+        if denial is not None:
+            fp.reject(d, "amqp:unauthorized-access", denial)
+            return
         raw: dict[Any, Any] = dict(request.properties or {})
         props: dict[str, Any] = {str(k): v for k, v in raw.items()}
         ext = self.node.extensions.get(str(props.get("type")))
@@ -385,6 +384,43 @@ class ManagementLink:
             return
         fp.accept(d)
         self.conn.mark_dirty()
+
+    def _reply_denial(self, reply_to: str) -> str | None:
+        """Why the answer may not go to `reply_to` (None: it may). Routing the answer
+        sends to that address for the requester: that takes 'send' there (and
+        'create_address' when it would create the address), as a producer would,
+        unless the address is a dynamic node of the requester's own connection."""
+        conn = self.conn
+        authz = conn.authz
+        if authz is None:
+            return None
+        broker = self.node.broker
+        denial = None
+        if reply_to not in broker.addresses and broker.resolve(reply_to).auto_create_addresses:
+            denial = authz.denial(conn.user, "create_address", reply_to)
+        if denial is None:
+            denial = authz.denial(conn.user, "send", reply_to)
+        if denial is None or self._own_dynamic_node(reply_to):
+            return None
+        return f"the answer cannot go to the reply-to address {reply_to!r}: {denial}"
+
+    def _own_dynamic_node(self, address: str) -> bool:
+        """`address` is a temporary queue or topic that a link of this connection
+        created (asked for as a dynamic node) and that still exists."""
+        a = self.node.broker.addresses.get(address)
+        if a is None:
+            return False
+        conn = self.conn
+        for h in conn.links.values():
+            if isinstance(h, ConsumerLink):
+                q = h.queue
+                if h.temporary_queue and q is not None and q.address is a:
+                    return True
+            elif isinstance(h, ProducerLink):
+                t = h.temporary_queue
+                if t is not None and t.address is a:
+                    return True
+        return any(t is a for t in conn._temp_topics.values())
 
     def _extension(
         self, handler: ExtensionHandler, request: proton.Message, props: dict[str, Any]

@@ -471,7 +471,8 @@ def groups_list(
         answer = c.call("listGroups", "queue", name, top=top, orderBy="backlog" if top else None)
     rows = answer["groups"]
     if as_json:
-        echo_json(rows)
+        # the table's OWNER column: one name in both (the management reply says consumer)
+        echo_json([{("owner" if k == "consumer" else k): v for k, v in r.items()} for r in rows])
         return
     if not rows:
         click.echo(f"queue {name!r}: no bound groups")

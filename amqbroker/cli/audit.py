@@ -31,6 +31,12 @@ import click
 @click.option("--samples", type=int, default=20, show_default=True, help="examples per finding")
 @click.option("--driver-memory", default="2g", show_default=True, help="local Spark memory")
 @click.option("--shuffle-partitions", type=int, default=None, help="spark.sql.shuffle.partitions")
+@click.option(
+    "--skip-bad-files",
+    is_flag=True,
+    help="leave out unreadable log files (each named on stderr and in the report) "
+    "instead of exiting 2",
+)
 def audit(
     paths: tuple[str, ...],
     master: str | None,
@@ -40,6 +46,7 @@ def audit(
     samples: int,
     driver_memory: str,
     shuffle_partitions: int | None,
+    skip_bad_files: bool,
 ) -> None:
     """Audit delivery logs (data dirs, delivery-log dirs or files) with PySpark.
 
@@ -56,5 +63,6 @@ def audit(
         samples=samples,
         driver_memory=driver_memory,
         shuffle_partitions=shuffle_partitions,
+        skip_bad_files=skip_bad_files,
     )
     sys.exit(run(opts, echo=click.echo))

@@ -3,7 +3,8 @@
 ``amqbroker audit PATH...`` (`run`) finds the log files, runs `analyse` and writes the
 report (`amqbroker.pipeline.report`): ``report.html`` (plots), ``report.md`` and
 ``audit.json`` in ``--out``. The exit code gates a deployment: 0 every invariant holds,
-1 at least one is broken, 2 the audit could not run (no files, bad path, Spark error).
+1 at least one is broken, 2 the audit could not run (no files, bad path, a bad file:
+see `check_file` and ``--skip-bad-files``, Spark error).
 
 Theory of operation
 -------------------
@@ -16,13 +17,19 @@ its docstring defines every term), expressed as DataFrame operations:
    routed / received / dispatch seq and time, first accepted seq, resolved, ...), then a
    window over ``(node, message_id)`` for what a slot needs from its siblings (receive
    time, routed on this node, dead-letter seq). Cached: every other step reads it.
-3. lost / unrouted / duplicate-after-settle: filters on slots; received-twice: a
+3. lost / still queued / unrouted / duplicate-after-settle: filters on slots (still
+   queued: unresolved, not held by a consumer, not overtaken by a later copy of its
+   group: a window per ``(node, queue, group)``; it is reported, not a finding that
+   fails the audit; `amqbroker.pipeline.invariants` does not know it yet and calls
+   those copies lost); received-twice: a
    ``groupBy(message_id)`` over slots; order: a window per ``(node, queue, group)``
    ordered by arrival (running max of earlier copies' first dispatch).
 4. two owners: a window per slot pairs each dispatch with its next settle/release; the
    deliveries become +1/-1 endpoints ordered by ``(owner_epoch, ts_us, node, seq)``;
    running sums per group and per (group, consumer) give, at each dispatch, the
-   deliveries other consumers still hold.
+   deliveries other consumers still hold (a moment), and the number of consumers
+   holding one: an episode runs from where it reaches 2 until it drops below; the
+   invariant counts episodes (each with its moments, first and last moment).
 5. latency percentiles (``percentile_approx``), log-scale histograms, per-consumer
    load, group sizes and the worst groups: aggregations.
 
@@ -94,6 +101,9 @@ class AuditOptions:
     driver_memory: str = "2g"
     shuffle_partitions: int | None = None
     extra_conf: dict[str, str] = field(default_factory=dict)
+    #: leave out log files that fail `check_file` (named on stderr and in the report)
+    #: instead of stopping with `EXIT_ERROR`
+    skip_bad_files: bool = False
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -128,11 +138,96 @@ def find_files(paths: Sequence[str]) -> dict[str, list[str]]:
     return found
 
 
-def load_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
-    """Every event under `paths`, with the format's column types."""
+#: Parquet's magic number, at both ends of a complete file
+PARQUET_MAGIC = b"PAR1"
+#: columns a delivery-log Parquet file must have (the others may be missing: nulls)
+_REQUIRED_COLUMNS = ("node", "seq", "ts_us", "event")
+
+
+def check_file(path: str) -> str | None:
+    """What is wrong with the log file at `path`, or None when it looks readable.
+
+    Cheap (a few bytes, the Parquet footer, a JSON line's first line), so a torn or
+    foreign file stops the audit with one line before Spark reads it: Spark fails on
+    such a file with a long stack trace, or silently skips an empty one. URLs are not
+    checked."""
+    if "://" in path:
+        return None
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return "empty file (0 bytes)"
+        with open(path, "rb") as fh:
+            if path.endswith(fmt.EXTENSIONS["parquet"]):
+                return _check_parquet(path, fh, size)
+            first = fh.readline(1 << 20)
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                return "truncated: the last line is incomplete"
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}"
+    try:
+        rec = json.loads(first)
+    except ValueError:
+        return "not a JSON-lines delivery log: the first line is not JSON"
+    missing = [c for c in _REQUIRED_COLUMNS if not isinstance(rec, dict) or c not in rec]
+    if missing:
+        return f"not a delivery-log file: the first record has no {', '.join(missing)}"
+    return None
+
+
+def _check_parquet(path: str, fh: Any, size: int) -> str | None:
+    if size < 12:
+        return f"truncated: {size} bytes, too short for a Parquet file"
+    head = fh.read(4)
+    fh.seek(-8, os.SEEK_END)
+    tail = fh.read(8)
+    if head != PARQUET_MAGIC:
+        return "not a Parquet file (no PAR1 magic at the start)"
+    if tail[4:] != PARQUET_MAGIC:
+        return "truncated Parquet file (no PAR1 magic at the end: the footer is missing)"
+    footer = int.from_bytes(tail[:4], "little")
+    if not 0 < footer <= size - 12:
+        return f"corrupt Parquet footer (length {footer} in a {size}-byte file)"
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # the magic numbers and the footer length are all we can check
+        return None
+    try:
+        names = set(pq.read_metadata(path).schema.names)
+    except Exception as exc:
+        return f"unreadable Parquet footer: {_one_line(exc)}"
+    missing = [c for c in _REQUIRED_COLUMNS if c not in names]
+    if missing:
+        return f"not a delivery-log file: no column {', '.join(missing)}"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def bad_files(files: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """(path, what is wrong) for each file of `files` (`find_files`) that fails
+    `check_file`."""
+    return [
+        (name, problem)
+        for names in files.values()
+        for name in names
+        if (problem := check_file(name)) is not None
+    ]
+
+
+def load_events(
+    spark: SparkSession, paths: Sequence[str], files: dict[str, list[str]] | None = None
+) -> DataFrame:
+    """Every event under `paths` (or in `files`, by format, as `find_files` returns),
+    with the format's column types."""
     from pyspark.sql import functions as F
 
-    files = find_files(paths)
+    if files is None:
+        files = find_files(paths)
     frames = []
     schema = fmt.SPARK_DDL.replace(" NOT NULL", "")
     for kind, names in files.items():
@@ -232,6 +327,12 @@ _FINDING_COLS = (
     ("seq", "bigint"),
     ("consumer", "string"),
     ("n", "bigint"),
+    # two-owner episodes: the first moment is (node, seq, consumer), the last these
+    ("first_ts_us", "bigint"),
+    ("last_node", "string"),
+    ("last_seq", "bigint"),
+    ("last_consumer", "string"),
+    ("last_ts_us", "bigint"),
 )
 
 
@@ -254,11 +355,12 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
 
     terminal_settle = is_("settled") & col("outcome").isin(*TERMINAL_OUTCOMES)
 
-    # 1 action: per node and event (a few rows): seq range, times, counts
+    # 1 action: per node, event and outcome (a few rows): seq range, times, counts
     nodes: dict[str, dict[str, int]] = {}
     by_event: dict[str, int] = {}
+    by_outcome: dict[str, int] = {}
     for r in (
-        events.groupBy("node", "event")
+        events.groupBy("node", "event", "outcome")
         .agg(
             F.count(F.lit(1)).alias("events"),
             F.min("seq").alias("min_seq"),
@@ -269,6 +371,9 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         .collect()
     ):
         by_event[r["event"]] = by_event.get(r["event"], 0) + r["events"]
+        if r["event"] == "settled":
+            o = r["outcome"] or "none"
+            by_outcome[o] = by_outcome.get(o, 0) + r["events"]
         v = nodes.setdefault(r["node"], {"events": 0})
         v["events"] += r["events"]
         for k, pick in (
@@ -306,6 +411,7 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         first(is_("dispatched"), "seq").alias("first_dispatch"),
         first(is_("dispatched"), "ts_us").alias("first_dispatch_ts"),
         F.max(F.when(is_("dispatched"), col("seq"))).alias("max_dispatch"),
+        F.max(F.when(ev_name.isin(*CLOSING_EVENTS), col("seq"))).alias("max_close"),
         first(is_("settled") & (col("outcome") == "accepted"), "seq").alias("first_accept"),
         first(terminal_settle, "ts_us").alias("settle_ts"),
         F.max((terminal_settle | ev_name.isin(*TERMINAL_EVENTS)).cast("int")).alias("resolved"),
@@ -339,7 +445,32 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         .cache()
     )
     copies = slots.filter(col("is_copy"))
-    open_copies = copies.filter((col("resolved") == 0) & ~col("parked") & ~col("pending"))
+    # an unresolved routed copy is still queued at the end of the log (a backlog: not a
+    # finding) unless a consumer holds it (its last dispatch never settled or released:
+    # the delivery's outcome is missing) or a later copy of its group in its queue was
+    # dispatched after it was (back) in the queue (it was skipped: a group's messages
+    # go out in order): those are lost
+    w_later = (
+        Window.partitionBy(
+            "node", "queue", "group_id", F.when(col("group_id").isNull(), col("message_id"))
+        )
+        .orderBy("arrival", "message_id")
+        .rowsBetween(1, Window.unboundedFollowing)
+    )
+    held = col("max_dispatch").isNotNull() & (
+        col("max_close").isNull() | (col("max_close") < col("max_dispatch"))
+    )
+    skipped = F.coalesce(
+        col("later_dispatch") > F.greatest(col("arrival"), col("max_close")), F.lit(False)
+    )
+    open_copies = (
+        copies.withColumn(
+            "later_dispatch",
+            F.when(col("group_id").isNotNull(), F.max("max_dispatch").over(w_later)),
+        )
+        .filter((col("resolved") == 0) & ~col("parked") & ~col("pending"))
+        .withColumn("queued", (col("n_routed") > 0) & ~held & ~skipped)
+    )
 
     def finding(kind: str, df: DataFrame, **cols: Column) -> DataFrame:
         have = set(df.columns)
@@ -352,7 +483,10 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         )
 
     parts = [
-        finding("lost", open_copies.filter(col("n_routed") > 0), seq=col("arrival")),
+        finding(
+            "lost", open_copies.filter((col("n_routed") > 0) & ~col("queued")), seq=col("arrival")
+        ),
+        finding("still_queued", open_copies.filter(col("queued")), seq=col("arrival")),
         finding("unrouted", open_copies.filter(col("n_routed") == 0), seq=col("arrival")),
         finding(
             "duplicate_after_settle",
@@ -408,18 +542,62 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
             *common, col("close").alias("k"), F.lit(-1).alias("delta")
         )
     )
+    # (k, seq) is unique: deliveries closed by one event share k, never a dispatch's seq
+    w_g = Window.partitionBy("queue", "group_id").orderBy("k", "seq")
+    w_gc = Window.partitionBy("queue", "group_id", "consumer").orderBy("k", "seq")
     before = Window.unboundedPreceding, -1
-    w_g = Window.partitionBy("queue", "group_id").orderBy("k").rowsBetween(*before)
-    w_gc = Window.partitionBy("queue", "group_id", "consumer").orderBy("k").rowsBetween(*before)
-    parts.append(
-        finding(
-            "two_owners",
-            endpoints.withColumn("open_all", F.coalesce(F.sum("delta").over(w_g), F.lit(0)))
-            .withColumn("open_mine", F.coalesce(F.sum("delta").over(w_gc), F.lit(0)))
-            .filter((col("delta") == 1) & (col("open_all") - col("open_mine") > 0)),
-            n=col("open_all") - col("open_mine"),
+    upto = Window.unboundedPreceding, Window.currentRow
+    # owners: consumers holding an open delivery of the group; an episode with two
+    # owners runs from the endpoint that makes them 2 until they are 1 again; every
+    # moment (a dispatch while another consumer holds one) falls in an episode
+    ends = (
+        endpoints.withColumn(
+            "open_all", F.coalesce(F.sum("delta").over(w_g.rowsBetween(*before)), F.lit(0))
+        )
+        .withColumn(
+            "open_mine", F.coalesce(F.sum("delta").over(w_gc.rowsBetween(*before)), F.lit(0))
+        )
+        .withColumn(
+            "owners_delta",
+            F.when((col("delta") == 1) & (col("open_mine") == 0), 1)
+            .when((col("delta") == -1) & (col("open_mine") == 1), -1)
+            .otherwise(0),
+        )
+        .withColumn("owners", F.sum("owners_delta").over(w_g.rowsBetween(*upto)))
+        .withColumn(
+            "episode",
+            F.sum(
+                ((col("owners") >= 2) & (col("owners") - col("owners_delta") < 2)).cast("long")
+            ).over(w_g.rowsBetween(*upto)),
         )
     )
+    moments = ends.filter((col("delta") == 1) & (col("open_all") - col("open_mine") > 0))
+    parts.append(finding("two_owner_moments", moments, n=col("open_all") - col("open_mine")))
+    m_key = F.struct(
+        col("k"), col("node").alias("m_node"), col("seq").alias("m_seq"), col("consumer")
+    )
+    episodes = (
+        moments.groupBy("queue", "group_id", "episode")
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.min(m_key).alias("first"),
+            F.max(m_key).alias("last"),
+        )
+        .select(
+            "queue",
+            "group_id",
+            "n",
+            col("first.m_node").alias("node"),
+            col("first.m_seq").alias("seq"),
+            col("first.consumer").alias("consumer"),
+            col("first.k.ts_us").alias("first_ts_us"),
+            col("last.m_node").alias("last_node"),
+            col("last.m_seq").alias("last_seq"),
+            col("last.consumer").alias("last_consumer"),
+            col("last.k.ts_us").alias("last_ts_us"),
+        )
+    )
+    parts.append(finding("two_owners", episodes))
 
     found = parts[0]
     for p in parts[1:]:
@@ -440,12 +618,36 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
     def result_of(kind: str) -> dict[str, Any]:
         return {"count": counts.get(kind, 0), "samples": sample_rows.get(kind, [])}
 
+    def moment(node: Any, seq: Any, consumer: Any, ts_us: Any) -> dict[str, Any]:
+        when = datetime.datetime.fromtimestamp(ts_us / 1e6, datetime.UTC)
+        return {
+            "node": node,
+            "seq": seq,
+            "consumer": consumer,
+            "ts_us": ts_us,
+            "time": when.isoformat(timespec="microseconds"),
+        }
+
+    two_owners = result_of("two_owners")
+    two_owners["samples"] = [
+        {
+            "queue": x.get("queue"),
+            "group_id": x.get("group_id"),
+            "moments": x["n"],
+            "first": moment(x["node"], x["seq"], x.get("consumer"), x["first_ts_us"]),
+            "last": moment(x["last_node"], x["last_seq"], x.get("last_consumer"), x["last_ts_us"]),
+        }
+        for x in two_owners["samples"]
+    ]
+    two_owners["moments"] = result_of("two_owner_moments")
+
     # 2 actions: latency percentiles and totals; histograms of both latencies
     pct = F.array(*[F.lit(p) for p in PERCENTILES])
     lat_row = copies.agg(
         F.count(F.lit(1)).alias("copies"),
         F.sum(col("parked").cast("int")).alias("parked"),
         F.sum(col("pending").cast("int")).alias("pending"),
+        (F.sum("n_dispatched") - F.count("first_dispatch")).alias("redeliveries"),
         F.approx_count_distinct("message_id").alias("messages"),
         F.countDistinct("queue").alias("queues"),
         *[
@@ -532,11 +734,12 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
 
     # 2 actions: group sizes, worst groups
     bad = (
-        found.filter(col("kind").isin("order_violations", "two_owners"))
+        found.filter(col("kind").isin("order_violations", "two_owners", "two_owner_moments"))
         .groupBy("queue", "group_id")
         .agg(
             F.sum((col("kind") == "order_violations").cast("long")).alias("order_violations"),
-            F.sum((col("kind") == "two_owners").cast("long")).alias("two_owner_moments"),
+            F.sum((col("kind") == "two_owners").cast("long")).alias("two_owner_episodes"),
+            F.sum((col("kind") == "two_owner_moments").cast("long")).alias("two_owner_moments"),
         )
     )
     per_group = (
@@ -549,7 +752,7 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
             (F.sum("n_dispatched") - F.count("first_dispatch")).alias("redeliveries"),
         )
         .join(bad, ["queue", "group_id"], "left")
-        .fillna(0, ["order_violations", "two_owner_moments"])
+        .fillna(0, ["order_violations", "two_owner_episodes", "two_owner_moments"])
         .cache()
     )
     size_hist = (
@@ -581,6 +784,8 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         "totals": {
             "events": sum(by_event.values()),
             "by_event": dict(sorted(by_event.items())),
+            "by_outcome": dict(sorted(by_outcome.items())),
+            "redeliveries": lat_row["redeliveries"] or 0,
             "copies": lat_row["copies"],
             "messages_approx": lat_row["messages"],
             "queues": lat_row["queues"],
@@ -588,10 +793,17 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
             "consumers": consumers["count"],
             "parked": lat_row["parked"] or 0,
             "pending": lat_row["pending"] or 0,
+            "still_queued": counts.get("still_queued", 0),
         },
         "nodes": dict(sorted(nodes.items())),
-        "invariants": {name: result_of(name) for name in INVARIANTS},
-        "info": {"unrouted": result_of("unrouted"), "seq_gaps": seq_gaps},
+        "invariants": {
+            name: two_owners if name == "two_owners" else result_of(name) for name in INVARIANTS
+        },
+        "info": {
+            "unrouted": result_of("unrouted"),
+            "still_queued": result_of("still_queued"),
+            "seq_gaps": seq_gaps,
+        },
         "latency": latency,
         "consumers": consumers,
         "groups": groups,
@@ -601,6 +813,16 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
 
 
 # --------------------------------------------------------------------------------- run
+def _is_spark_error(exc: BaseException) -> bool:
+    """A failure of the Spark job (JVM side), as opposed to a bug here."""
+    try:
+        from py4j.protocol import Py4JError
+        from pyspark.errors import PySparkException
+    except ImportError:
+        return False
+    return isinstance(exc, PySparkException | Py4JError)
+
+
 def _echo(msg: str, err: bool = False) -> None:
     print(msg, file=sys.stderr if err else sys.stdout)
 
@@ -609,14 +831,35 @@ def run(opts: AuditOptions, echo: Callable[..., None] = _echo) -> int:
     """The ``amqbroker audit`` command: returns the exit code (`EXIT_OK`,
     `EXIT_BROKEN`, `EXIT_ERROR`). `echo(text, err=False)` prints."""
     t0 = time.monotonic()
+    skipped: list[tuple[str, str]] = []
     try:
         bad = [f for f in opts.formats if f not in ("html", "md", "json")]
         if bad:
             raise AuditError(f"unknown report format(s) {', '.join(bad)}; use html, md, json")
+        files = find_files(opts.paths)
+        skipped = bad_files(files)
+        if skipped and not opts.skip_bad_files:
+            name, problem = skipped[0]
+            more = f" (and {len(skipped) - 1} more bad file(s))" if len(skipped) > 1 else ""
+            raise AuditError(
+                f"bad delivery-log file {name}: {problem}{more}; "
+                "move it away or give --skip-bad-files to audit the others"
+            )
+        for name, problem in skipped:
+            echo(f"skipped bad delivery-log file {name}: {problem}", err=True)
+        leave_out = {name for name, _ in skipped}
+        files = {k: [n for n in names if n not in leave_out] for k, names in files.items()}
+        if not any(files.values()):
+            raise AuditError("every delivery-log file is bad: nothing left to audit")
         spark, own = spark_session(opts)
         try:
-            events = load_events(spark, opts.paths)
+            events = load_events(spark, opts.paths, files)
             result = analyse(events, grace_s=opts.grace_s, samples=opts.samples)
+        except Exception as exc:
+            if not _is_spark_error(exc):
+                raise
+            log.debug("the Spark job failed", exc_info=True)
+            raise AuditError(f"the Spark job failed: {_one_line(exc)}") from exc
         finally:
             if own:
                 spark.stop()
@@ -624,6 +867,7 @@ def run(opts: AuditOptions, echo: Callable[..., None] = _echo) -> int:
         echo(f"Error: {exc}", err=True)
         return EXIT_ERROR
     result["inputs"] = [str(p) for p in opts.paths]
+    result["skipped_files"] = [{"path": n, "problem": p} for n, p in skipped]
     result["elapsed_s"] = round(time.monotonic() - t0, 3)
     from amqbroker.pipeline import report
 

@@ -13,6 +13,7 @@ import html as html_mod
 import io
 from typing import Any
 
+from amqbroker.pipeline.delivery_log_format import EVENTS, OUTCOMES
 from amqbroker.pipeline.invariants import INVARIANTS
 
 TITLES = {
@@ -20,8 +21,64 @@ TITLES = {
     "duplicate_after_settle": "dispatched again after an accepted settle",
     "received_twice": "received twice with the same message-id",
     "order_violations": "group order violations (first dispatch out of arrival order)",
-    "two_owners": "moments a group had two owners",
+    "two_owners": "episodes a group had two owners",
 }
+#: the state of an unresolved copy at the end of the log that is not a finding
+STILL_QUEUED = "still queued at end of log (a backlog, not lost)"
+
+
+def _count(r: dict[str, Any], name: str) -> str:
+    """An invariant's count as text; two owners: episodes and their moments."""
+    f = r["invariants"][name]
+    text = f"{f['count']:,}"
+    if name == "two_owners" and f["count"]:
+        text += f" ({f['moments']['count']:,} moments)"
+    return text
+
+
+def _examples(r: dict[str, Any], name: str) -> str:
+    f = r["invariants"][name]
+    show = _episode if name == "two_owners" else _sample
+    return "; ".join(show(x) for x in f["samples"][:3]) or "-"
+
+
+def _episode(x: dict[str, Any]) -> str:
+    """A two-owner episode: its group, its moments, its first and last moment."""
+
+    def at(m: dict[str, Any]) -> str:
+        return f"{m['time']} ({m['node']} seq {m['seq']}, to {m['consumer'] or '?'})"
+
+    return (
+        f"queue={x['queue']}, group={x['group_id']}: {x['moments']:,} moment(s) "
+        f"from {at(x['first'])} to {at(x['last'])}"
+    )
+
+
+def _event_rows(r: dict[str, Any]) -> list[list[Any]]:
+    """(event, count) rows: every event of the log format, settles by outcome, the
+    redeliveries."""
+    t = r["totals"]
+    by_event, by_outcome = t["by_event"], t.get("by_outcome", {})
+    rows: list[list[Any]] = []
+    for name in EVENTS:
+        rows.append([name.replace("_", "-"), by_event.get(name, 0)])
+        if name == "dispatched":
+            rows.append(["redeliveries (dispatches after a copy's first)", t["redeliveries"]])
+        if name == "settled":
+            for o in (*OUTCOMES, *sorted(set(by_outcome) - set(OUTCOMES))):
+                rows.append([f"settled {o}", by_outcome.get(o, 0)])
+    return rows
+
+
+def _state_rows(r: dict[str, Any]) -> list[list[Any]]:
+    """The unresolved copies at the end of the log, by state."""
+    t = r["totals"]
+    return [
+        ["lost (fails the audit)", r["invariants"]["lost"]["count"]],
+        [STILL_QUEUED, t["still_queued"]],
+        [f"in flight (arrived in a node's last {r['grace_s']} s, --grace)", t["pending"]],
+        ["parked in a dead-letter/expiry queue", t["parked"]],
+    ]
 
 
 def _us(v: float | None) -> str:
@@ -47,7 +104,8 @@ def summary(r: dict[str, Any]) -> str:
     ]
     for name in INVARIANTS:
         c = r["invariants"][name]["count"]
-        lines.append(f"  {'FAIL' if c else 'ok  '} {TITLES[name]}: {c:,}")
+        lines.append(f"  {'FAIL' if c else 'ok  '} {TITLES[name]}: {_count(r, name)}")
+    lines.append(f"  info {STILL_QUEUED}: {t['still_queued']:,}")
     for name, lat in r["latency"].items():
         p = lat["percentiles_us"]
         lines.append(
@@ -56,6 +114,8 @@ def summary(r: dict[str, Any]) -> str:
         )
     if r["info"]["seq_gaps"]:
         lines.append(f"  warning: records missing from the log (seq gaps): {r['info']['seq_gaps']}")
+    if r.get("skipped_files"):
+        lines.append(f"  warning: {len(r['skipped_files'])} bad file(s) skipped (--skip-bad-files)")
     lines.append("result: " + ("every invariant holds" if r["ok"] else "INVARIANT BROKEN"))
     return "\n".join(lines)
 
@@ -69,6 +129,7 @@ _WORST_HEADER = [
     "max",
     "redeliveries",
     "order violations",
+    "two-owner episodes",
     "two-owner moments",
 ]
 
@@ -84,6 +145,7 @@ def _worst_row(g: dict[str, Any], *, thousands: bool) -> list[Any]:
         _us(g["max_settle_us"]),
         g["redeliveries"],
         g["order_violations"],
+        g.get("two_owner_episodes", 0),
         g["two_owner_moments"],
     ]
 
@@ -106,25 +168,30 @@ def markdown(r: dict[str, Any]) -> str:
         f"({', '.join(r['nodes'])}); {t['copies']:,} message copies in {t['queues']} "
         f"queue(s), {t['groups']:,} groups, {t['consumers']:,} consumers; "
         f"{t['parked']:,} parked in dead-letter/expiry queues, {t['pending']:,} in flight "
-        f"at the end of the log (grace {r['grace_s']} s).",
+        f"at the end of the log (grace {r['grace_s']} s), {t['still_queued']:,} still queued.",
         "",
+        *_md_skipped(r),
         "## Invariants",
         "",
         _table(
             ["check", "count", "examples"],
-            [
-                [
-                    TITLES[name],
-                    f"{r['invariants'][name]['count']:,}",
-                    "; ".join(_sample(s) for s in r["invariants"][name]["samples"][:3]) or "-",
-                ]
-                for name in INVARIANTS
-            ],
+            [[TITLES[name], _count(r, name), _examples(r, name)] for name in INVARIANTS],
         ),
         "",
         f"Informational: {r['info']['unrouted']['count']:,} received but never routed "
         "(rolled-back transactions, topics without subscribers); seq gaps "
         f"{r['info']['seq_gaps'] or 'none'}.",
+        "",
+        "## Events",
+        "",
+        _table(["event", "count"], [[name, f"{n:,}"] for name, n in _event_rows(r)]),
+        "",
+        "## Messages not resolved at the end of the log",
+        "",
+        _table(["state", "copies"], [[name, f"{n:,}"] for name, n in _state_rows(r)]),
+        "",
+        "Still queued, examples: "
+        + ("; ".join(_sample(x) for x in r["info"]["still_queued"]["samples"][:3]) or "-"),
         "",
         "## Latency",
         "",
@@ -161,6 +228,18 @@ def markdown(r: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(parts)
+
+
+def _md_skipped(r: dict[str, Any]) -> list[str]:
+    skipped = r.get("skipped_files") or []
+    if not skipped:
+        return []
+    return [
+        "## Skipped files (--skip-bad-files)",
+        "",
+        *[f"- `{f['path']}`: {f['problem']}" for f in skipped],
+        "",
+    ]
 
 
 def _sample(s: dict[str, Any]) -> str:
@@ -273,9 +352,7 @@ def html(r: dict[str, Any]) -> str:
     inv_rows, inv_bad = [], []
     for name in INVARIANTS:
         f = r["invariants"][name]
-        inv_rows.append(
-            [TITLES[name], f["count"], "; ".join(_sample(s) for s in f["samples"][:3]) or "-"]
-        )
+        inv_rows.append([TITLES[name], _count(r, name), _examples(r, name)])
         inv_bad.append(f["count"] > 0)
     lat_rows = [
         [f"first {name}", lat["count"]]
@@ -285,6 +362,13 @@ def html(r: dict[str, Any]) -> str:
     ]
     worst = r["groups"]["worst"]
     c = r["consumers"]
+    still = "; ".join(_sample(x) for x in r["info"]["still_queued"]["samples"][:3]) or "-"
+    skipped = ""
+    if r.get("skipped_files"):
+        items = "".join(
+            f"<li><code>{e(f['path'])}</code>: {e(f['problem'])}</li>" for f in r["skipped_files"]
+        )
+        skipped = f"<h2>Skipped files (--skip-bad-files)</h2><ul>{items}</ul>"
     badge = (
         '<span class="badge pass">PASS: every invariant holds</span>'
         if r["ok"]
@@ -299,12 +383,25 @@ def html(r: dict[str, Any]) -> str:
 <p>{t["events"]:,} events from {len(r["nodes"])} node(s) ({e(", ".join(r["nodes"]))});
 {t["copies"]:,} message copies in {t["queues"]} queue(s), {t["groups"]:,} groups,
 {t["consumers"]:,} consumers; {t["parked"]:,} parked in dead-letter/expiry queues,
-{t["pending"]:,} in flight at the end of the log (grace {r["grace_s"]} s).</p>
+{t["pending"]:,} in flight at the end of the log (grace {r["grace_s"]} s),
+{t["still_queued"]:,} still queued.</p>
+{skipped}
 <h2>Invariants</h2>
 {table(["check", "count", "examples"], inv_rows, inv_bad)}
 <p class="muted">Informational: {r["info"]["unrouted"]["count"]:,} received but never routed
 (rolled-back transactions, topics without subscribers); seq gaps
 {e(str(r["info"]["seq_gaps"] or "none"))}.</p>
+<h2>Events</h2>
+{table(["event", "count"], _event_rows(r))}
+<h2>Messages not resolved at the end of the log</h2>
+{
+        table(
+            ["state", "copies"],
+            _state_rows(r),
+            [r["invariants"]["lost"]["count"] > 0, False, False, False],
+        )
+    }
+<p class="muted">Still queued, examples: {e(still)}</p>
 <h2>Latency</h2>
 {table(["from receive to", "count", "p50", "p90", "p99", "p99.9", "max", "mean"], lat_rows)}
 <div class="plots"><img alt="latency distribution" src="{p["latency"]}">

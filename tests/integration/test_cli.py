@@ -587,6 +587,8 @@ async def test_groups_list_top_and_reset(real_broker: RealBroker, nursery: trio.
             _ok(await _cli("groups", "list", "tickets", "--top", "1", "--json", "--url", url))
         )
         assert [(g["group"], g["backlog"], g["inFlight"]) for g in top] == [("A", 2, 1)]
+        # the table's OWNER column has the same name in the JSON
+        assert top[0]["owner"] == "w1" and "consumer" not in top[0]
         assert isinstance(top[0]["oldestMessageAge"], int)
         assert _ok(await _cli("groups", "count", "tickets", "--url", url)) == "2\n"
         one = _ok(await _cli("groups", "reset", "tickets", "B", "--url", url))

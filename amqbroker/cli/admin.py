@@ -107,7 +107,7 @@ STAT_COLUMNS = (
 
 @click.group()
 def queue() -> None:
-    """Queues: statistics, create, delete, purge, pause, resume, update."""
+    """Queues: statistics, create, delete, purge, pause, resume, update, move, retry."""
 
 
 @queue.command("stat")
@@ -343,6 +343,60 @@ def queue_resume(name: str, url: str, user: str | None, password: str | None) ->
     with talking(url), client(url, user, password) as c:
         c.call("resume", "queue", name)
     click.echo(f"queue {name!r} resumed")
+
+
+@queue.command("move")
+@click.argument("name")
+@click.argument("to_queue", metavar="TO_QUEUE")
+@click.option(
+    "--selector",
+    "--filter",
+    "selector",
+    default=None,
+    help="only the messages this JMS selector matches, e.g. \"region = 'eu'\"",
+)
+@connection_options
+@json_option
+def queue_move(
+    name: str,
+    to_queue: str,
+    selector: str | None,
+    url: str,
+    user: str | None,
+    password: str | None,
+    as_json: bool,
+) -> None:
+    """Move the waiting messages of queue NAME (those --selector matches) to TO_QUEUE."""
+    with talking(url), client(url, user, password) as c:
+        answer = c.call("moveMessages", "queue", name, body=_move_body(to_queue, selector))
+    moved = answer["moved"]
+    if as_json:
+        echo_json({"queue": name, "toQueue": to_queue, "selector": selector, "moved": moved})
+        return
+    which = f" matching {selector!r}" if selector else ""
+    click.echo(f"queue {name!r}: {moved} message(s){which} moved to {to_queue!r}")
+
+
+def _move_body(to_queue: str, selector: str | None) -> dict[str, Any]:
+    body = {"toQueue": to_queue}
+    if selector is not None:
+        body["filter"] = selector
+    return body
+
+
+@queue.command("retry")
+@click.argument("name")
+@connection_options
+@json_option
+def queue_retry(name: str, url: str, user: str | None, password: str | None, as_json: bool) -> None:
+    """Send the dead letters waiting in queue NAME back to their original addresses
+    (x-opt-ORIG-ADDRESS); other messages stay."""
+    with talking(url), client(url, user, password) as c:
+        retried = c.call("retryMessages", "queue", name)["retried"]
+    if as_json:
+        echo_json({"queue": name, "retried": retried})
+        return
+    click.echo(f"queue {name!r}: {retried} message(s) sent back to their original address")
 
 
 # ----------------------------------------------------------------------- address

@@ -28,23 +28,90 @@ class Unreachable(click.ClickException):
     exit_code = EXIT_UNREACHABLE
 
 
+#: ctx.meta key of the TLS and mechanism options given so far (see `connection_options`)
+_SECURITY_META = "amqbroker.client_security"
+#: commands whose client has its own transport without TLS or SCRAM (the load client)
+_PLAIN_ONLY = frozenset({"perf"})
+
+
+def _remember_security(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Callback of the TLS and mechanism options: they are not passed to the command
+    function but become the context's `ClientSecurity` (`management_client.use_security`),
+    which every connection the command opens uses (management and messaging alike)."""
+    from amqbroker.protocol.client_auth import ClientSecurity
+    from amqbroker.protocol.management_client import use_security
+
+    if value is not None and ctx.command.name in _PLAIN_ONLY:
+        raise click.UsageError(
+            f"{ctx.command.name} connects over amqp:// with PLAIN or ANONYMOUS only; "
+            f"it does not take {param.opts[0]} (or its environment variable)"
+        )
+    given: dict[str, Any] = ctx.meta.setdefault(_SECURITY_META, {})
+    given[str(param.name)] = value
+    use_security(ClientSecurity(**given))
+    return value
+
+
 def connection_options(f: F) -> F:
-    """--url, --user, --password (AMQBROKER_URL, AMQBROKER_USER, AMQBROKER_PASSWORD)."""
+    """--url, --user, --password (AMQBROKER_URL, AMQBROKER_USER, AMQBROKER_PASSWORD),
+    passed to the command; --ca-file, --cert-file, --key-file, --mechanism
+    (AMQBROKER_CA_FILE, AMQBROKER_CERT_FILE, AMQBROKER_KEY_FILE, AMQBROKER_MECHANISM),
+    which are not: they set the context's `ClientSecurity` (`_remember_security`)."""
+    from amqbroker.protocol.client_auth import MECHANISMS
     from amqbroker.protocol.management_client import DEFAULT_URL
 
+    security: list[tuple[str, str, dict[str, Any]]] = [
+        (
+            "--mechanism",
+            "AMQBROKER_MECHANISM",
+            {
+                "type": click.Choice(MECHANISMS, case_sensitive=False),
+                "help": "SASL mechanism (default: PLAIN with --user, EXTERNAL with "
+                "--cert-file, else ANONYMOUS)",
+            },
+        ),
+        (
+            "--key-file",
+            "AMQBROKER_KEY_FILE",
+            {"help": "its private key, PEM, unencrypted (if not in --cert-file)"},
+        ),
+        (
+            "--cert-file",
+            "AMQBROKER_CERT_FILE",
+            {"help": "client certificate, PEM, for amqps:// (SASL EXTERNAL without --user)"},
+        ),
+        (
+            "--ca-file",
+            "AMQBROKER_CA_FILE",
+            {
+                "help": "CA certificate(s), PEM, that the broker's must chain to (amqps://; "
+                "default: the system's)"
+            },
+        ),
+    ]
+    for name, envvar, kw in security:
+        f = click.option(
+            name,
+            envvar=envvar,
+            show_envvar=True,
+            default=None,
+            expose_value=False,
+            callback=_remember_security,
+            **kw,
+        )(f)
     f = click.option(
         "--password",
         envvar="AMQBROKER_PASSWORD",
         show_envvar=True,
         default=None,
-        help="password for SASL PLAIN",
+        help="password for SASL PLAIN or SCRAM-SHA-256",
     )(f)
     f = click.option(
         "--user",
         envvar="AMQBROKER_USER",
         show_envvar=True,
         default=None,
-        help="user for SASL PLAIN (default: anonymous)",
+        help="user for SASL PLAIN or SCRAM-SHA-256 (default: anonymous)",
     )(f)
     f = click.option(
         "--url",
@@ -52,7 +119,7 @@ def connection_options(f: F) -> F:
         show_envvar=True,
         default=DEFAULT_URL,
         show_default=True,
-        help="the broker (amqp://host:port)",
+        help="the broker (amqp://host:port, or amqps:// for TLS)",
     )(f)
     return f
 

@@ -3,7 +3,13 @@
 Theory of operation
 -------------------
 It runs in the CLI process (never inside the broker's event loop), so Proton's
-`BlockingConnection` is fine here. `ManagementClient` opens one connection with one
+`BlockingConnection` is fine here. The connection (`connect`) is Proton's own for
+plain ``amqp://`` with PLAIN or ANONYMOUS; ``amqps://`` (CA file, client certificate,
+SASL EXTERNAL) and SCRAM-SHA-256 are set up by `client_auth` (TLS by `ssl`, SASL by
+hand) and handed to Proton authenticated. Those options come from a `ClientSecurity`,
+given or the context's (`use_security`, set by the CLI for each command).
+
+`ManagementClient` opens one connection with one
 sender to `$management` and one dynamic receiver (the broker gives it a temporary
 queue, whose address is every request's reply-to), then sends requests one at a time:
 a request is a message with application properties `operation`, `type`, `name` and the
@@ -32,12 +38,21 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from proton import ConnectionException, Message, ProtonException, Timeout
+from proton import ConnectionException, Message, ProtonException, Timeout, Url
 from proton.reactor import Container
 from proton.utils import BlockingConnection, LinkDetached
+
+from amqbroker.protocol.client_auth import (
+    AdoptingIOHandler,
+    ClientAuthError,
+    ClientSecurity,
+    open_authenticated,
+)
+from amqbroker.protocol.sasl import SCRAM_SHA_256
 
 DEFAULT_URL = "amqp://127.0.0.1:5672"
 DEFAULT_TIMEOUT = 10.0
@@ -83,6 +98,21 @@ def _condition_text(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+#: the TLS files and mechanism of every connection made in this context that names
+#: none itself: the CLI sets it once per command (`use_security`), so the client tools
+#: (`amqbroker.tools.messaging`) honour --ca-file, --mechanism... without passing them
+_SECURITY: ContextVar[ClientSecurity] = ContextVar("amqbroker_client_security")
+
+
+def use_security(security: ClientSecurity) -> None:
+    """The default `ClientSecurity` of `connect` in the current context."""
+    _SECURITY.set(security)
+
+
+def current_security() -> ClientSecurity:
+    return _SECURITY.get(ClientSecurity())
+
+
 def connect(
     url: str,
     *,
@@ -90,25 +120,67 @@ def connect(
     password: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     container: str | None = None,
+    security: ClientSecurity | None = None,
 ) -> BlockingConnection:
-    """A `BlockingConnection` with SASL PLAIN when `user` is given (ANONYMOUS otherwise);
-    raises `ConnectError` with a reason a person can act on."""
-    kw: dict[str, Any] = {}
-    if container:
-        c = Container()
-        c.container_id = container
-        kw["container"] = c
+    """A `BlockingConnection`, authenticated with `security.choose_mechanism(user)`
+    (PLAIN when `user` is given, EXTERNAL with a client certificate, ANONYMOUS
+    otherwise); raises `ConnectError` with a reason a person can act on.
+
+    ``amqps://`` URLs and SCRAM-SHA-256 go through `client_auth` (TLS by `ssl`, SASL
+    by hand, then Proton on the authenticated socket); plain PLAIN/ANONYMOUS
+    connections are Proton's own."""
+    sec = security if security is not None else current_security()
     try:
-        return BlockingConnection(
-            url,
-            timeout=timeout,
+        parsed = Url(url).defaults()
+        host, port, scheme = parsed.host, int(parsed.port), parsed.scheme
+    except (ValueError, TypeError, ProtonException) as exc:
+        raise ConnectError(url, f"not a broker URL ({exc})", "use amqp://host:port") from None
+    user = user or parsed.username or None
+    password = password if password is not None else parsed.password
+    mechanism = sec.choose_mechanism(user)
+    if mechanism in ("PLAIN", SCRAM_SHA_256) and not user:
+        raise ConnectError(url, f"{mechanism} needs a user", "give --user and --password")
+    tls = scheme == "amqps"
+    if not tls and (sec.uses_tls_files or mechanism == "EXTERNAL"):
+        what = "EXTERNAL" if mechanism == "EXTERNAL" else "--ca-file/--cert-file/--key-file"
+        raise ConnectError(url, f"{what} needs TLS", "use an amqps:// URL (a TLS listener)")
+    c = Container()
+    if container:
+        c.container_id = container
+    kw: dict[str, Any] = {"container": c}
+    target: Any = url
+    if tls or mechanism == SCRAM_SHA_256:
+        try:
+            sock = open_authenticated(
+                host,
+                port,
+                tls=tls,
+                security=sec,
+                mechanism=mechanism,
+                user=user,
+                password=password,
+                timeout=timeout,
+            )
+        except ClientAuthError as exc:
+            raise ConnectError(url, exc.reason, exc.hint or "") from None
+        except TimeoutError:
+            raise ConnectError(url, f"no answer within {timeout:g} s") from None
+        except OSError as exc:
+            raise ConnectError(url, exc.strerror or str(exc)) from None
+        c.global_handler = AdoptingIOHandler(sock)
+        target = Url(url).defaults()
+        target.scheme, target.username, target.password = "amqp", None, None
+        kw["sasl_enabled"] = False
+    else:
+        kw.update(
             user=user,
             password=password or "",
-            allowed_mechs="PLAIN" if user else "ANONYMOUS",
+            allowed_mechs=mechanism,
             sasl_enabled=True,
             allow_insecure_mechs=True,
-            **kw,
         )
+    try:
+        return BlockingConnection(target, timeout=timeout, **kw)
     except Timeout:
         raise ConnectError(url, f"no answer within {timeout:g} s") from None
     except ConnectionException as exc:
@@ -142,10 +214,11 @@ class ManagementClient:
         user: str | None = None,
         password: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.url = url
         self.timeout = timeout
-        self.conn = connect(url, user=user, password=password, timeout=timeout)
+        self.conn = connect(url, user=user, password=password, timeout=timeout, security=security)
         try:
             self.receiver = self.conn.create_receiver(None, dynamic=True, credit=10)
             self.reply_to = self.receiver.remote_source.address
@@ -238,9 +311,12 @@ def request(
     timeout: float = DEFAULT_TIMEOUT,
     user: str | None = None,
     password: str | None = None,
+    security: ClientSecurity | None = None,
 ) -> Any:
     """One request on its own connection; returns the answer's body (raises on failure)."""
-    with ManagementClient(url, user=user, password=password, timeout=timeout) as c:
+    with ManagementClient(
+        url, user=user, password=password, timeout=timeout, security=security
+    ) as c:
         return c.call(operation, type, name or None, **(properties or {}))
 
 

@@ -51,6 +51,17 @@ when its `grouping_group_timeout` exceeds half the arbiter's (announced as
 `groupTimeout`), 7.7. `proposal_latency` (clusterStatus "proposals") times each new
 group's decision as seen by the entry node.
 
+Node loss (issue 20, `cluster_node_loss_policy`): a peer unreachable for
+`cluster_node_timeout` is lost. Under `wait` its groups stay bound to it (the reaper
+and the consumerless release spare them too); their messages wait in order in the
+bridges, and `waiting()` reports them. Under `move` the arbiter releases them; every
+node whose bridge to the lost node holds messages of a released key decides the key
+again at once (`_released_from_lost`) and `_decide` moves the held messages to the new
+owner before the newer ones waiting in `_pending`. Whatever the policy, a node holds
+the groups of the messages it recovered at start (`_hold_recovered`, `Queue.hold_group`)
+until the arbiter confirms each binding: still here, it serves them; bound elsewhere,
+it forwards them there (`_forward_stranded`), counted as late deliveries.
+
 Who arbitrates: without `cluster_zookeeper` the node with `cluster_grouping = "LOCAL"`
 leads at epoch 0 for good (a single point of failure, logged at start) and the others
 learn it from its announcements. With `cluster_zookeeper` (and grouping on) `run`
@@ -94,6 +105,7 @@ from amqbroker.core.broker import PENDING, Broker
 from amqbroker.core.consumer import Consumer
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError
+from amqbroker.core.queue import Queue
 from amqbroker.net.driver import Hub
 from amqbroker.net.outbound import OutboundDriver
 from amqbroker.protocol.cluster_links import INBOUND_ADDRESS, DuplicateWindow, inbound_factory
@@ -105,8 +117,10 @@ from amqbroker.protocol.peer import (
     PeerReceiver,
     PeerSender,
     encode_message,
+    unwrap_forward,
     wrap_forward,
 )
+from amqbroker.protocol.scanner import ScanError, scan
 from amqbroker.settings import Settings, parse_peer
 
 log = logging.getLogger("amqbroker.cluster")
@@ -296,6 +310,14 @@ class ClusterNode:
         #: seen without a consumer, since when
         self._consumerless: dict[tuple[str, str], float] = {}
         self.consumerless_released = 0
+        #: under cluster_node_loss_policy = move: key -> lost node whose bridge holds
+        #: messages of the key, taken to the new owner once the key is decided again
+        self._rescue: dict[str, str] = {}
+        #: recovered groups held until the arbiter says who owns them (ask first)
+        self.groups_verifying = 0
+        #: stranded messages of groups that moved while this node was lost, forwarded
+        #: to their current owner after newer ones (policy move): late deliveries
+        self.late_forwarded = 0
         self._warned_group_timeout: tuple[str, int] | None = None
         management.register(GROUPING_TYPE, self._on_grouping_request)
         management.register(CLUSTER_TYPE, self._on_cluster_request)
@@ -322,6 +344,7 @@ class ClusterNode:
         async with trio.open_nursery() as n:
             self._nursery = n
             n.start_soon(self.arbiter.run)  # group commit of the arbiter's decisions
+            held = self._hold_recovered()
             for p in self.peers.values():
                 p.driver = OutboundDriver(
                     self.hub,
@@ -343,10 +366,155 @@ class ClusterNode:
                 await n.start(self.election.run)
             if self.group_timeout > 0 and s.grouping_reaper_period > 0:
                 n.start_soon(self._reaper_loop)
+            if held:
+                n.start_soon(self._verify_recovered, held)
             task_status.started()
 
     def close(self) -> None:
         self.arbiter.close()
+
+    # ------------------------------------------ ask before serving (issue 20)
+    def _clustered(self, q: Queue) -> bool:
+        """Whether routing to `q` goes through the cluster (`route`'s rule)."""
+        a = q.address
+        return (
+            a is not None
+            and a.routing == ANYCAST
+            and len(a.queues) == 1
+            and not a.name.startswith("$")
+            and not q.temporary
+        )
+
+    def _hold_recovered(self) -> list[tuple[Queue, str]]:
+        """At start, before any client or peer: hold every group of the messages this
+        node recovered, so that none is served before the arbiter confirms that the
+        group is still bound here (it may have moved while this node was down)."""
+        if not self.grouping:
+            return []
+        held: list[tuple[Queue, str]] = []
+        for q in list(self.broker.queues.values()):
+            if not self._clustered(q):
+                continue
+            for gid in sorted({e.group_id for e in q.browse() if e.group_id is not None}):
+                if q.hold_group(gid):
+                    held.append((q, gid))
+        if held:
+            log.info(
+                "holding %d recovered group(s) until the grouping arbiter confirms their "
+                "owner: a returning node never serves a group that is bound elsewhere",
+                len(held),
+            )
+        self.groups_verifying = len(held)
+        return held
+
+    async def _verify_recovered(self, held: list[tuple[Queue, str]]) -> None:
+        limiter = trio.CapacityLimiter(64)  # proposals in flight at once
+        async with trio.open_nursery() as n:
+            for q, gid in held:
+                n.start_soon(self._verify_group, q, gid, limiter)
+
+    async def _verify_group(self, q: Queue, gid: str, limiter: trio.CapacityLimiter) -> None:
+        key = f"{gid}.{q.name}"
+        try:
+            async with limiter:
+                warned = False
+                while True:
+                    node: str | None = None
+                    with trio.move_on_after(self.timeout):
+                        node = await self._propose(key, self.node_id, q.name)
+                    if node is not None:
+                        break
+                    self._outstanding.pop(key, None)
+                    if not warned:
+                        warned = True
+                        log.warning(
+                            "group %r: no answer from the grouping arbiter (%s) within "
+                            "grouping_timeout; its recovered messages stay held, asking again",
+                            key,
+                            self.role.leader_id or "not known yet",
+                        )
+            if node != self.node_id and not q.deleted:
+                self._forward_stranded(node, q, gid)
+        finally:
+            self.groups_verifying -= 1
+            q.unhold_group(gid)
+
+    def _forward_stranded(self, node: str, q: Queue, gid: str) -> None:
+        """`gid` is bound to `node` now: this node's messages of it go there, late."""
+        a = q.address
+        assert a is not None
+
+        def sink(e: Entry) -> None:
+            self._deliver_to(node, a, e, late=True)
+
+        moved = q.take_waiting(lambda e: e.group_id == gid, sink)
+        if moved:
+            self.late_forwarded += moved
+            log.warning(
+                "group %r moved to %s while this node was lost (cluster_node_loss_policy "
+                "= %s): its %d stranded message(s) here are forwarded there, after newer "
+                "messages of the group (late deliveries)",
+                f"{gid}.{q.name}",
+                node,
+                self.loss_policy,
+                moved,
+            )
+        self.flush()
+
+    def _released_from_lost(self, key: str, lost: str, qname: str) -> None:
+        """Policy move: `key` was bound to the lost node `lost` and is released. The
+        messages of it that this node's bridge to `lost` holds go to the new owner
+        before any newer message: the key is decided again at once, newer messages
+        wait behind the decision (`_pending`), and `_decide` takes the held ones from
+        the bridge first."""
+        if self.loss_policy != "move" or not self.grouping:
+            return
+        p = self.peers.get(lost)
+        q = self.broker.queues.get(qname)
+        if p is None or q is None or q.address is None or not p.bridge.queues:
+            return
+        self._rescue[key] = lost
+        if key in self._pending:
+            return  # a decision is under way: it takes them first
+        self._pending[key] = deque()
+        if self._nursery is not None:
+            self._nursery.start_soon(self._decide, key, self._pick(qname), qname, None)
+
+    def _take_from_bridge(self, lost: str, key: str, qname: str, node: str, a: Address) -> int:
+        p = self.peers.get(lost)
+        if p is None or not p.bridge.queues:
+            return 0
+        gid = key[: -len(qname) - 1]
+
+        def inner(e: Entry) -> Entry | None:
+            try:
+                _bid, target, data = unwrap_forward(e.data)
+                durable, prio, ttl, abs_exp, dc, g, gseq, _to, _dt, _dd = scan(data)
+            except (ValueError, ScanError):
+                return None
+            if target != qname or g != gid:
+                return None
+            expiry = int(self.broker.clock() * 1000) + ttl if ttl else 0
+            if abs_exp and (not expiry or abs_exp < expiry):
+                expiry = abs_exp
+            return Entry(data, durable, prio if prio < 10 else 9, expiry, dc, g, gseq)
+
+        def sink(e: Entry) -> None:
+            ie = inner(e)
+            if ie is not None and self._deliver_to(node, a, ie) is None:
+                self.broker.route(a, ie)
+
+        moved = p.bridge.queues[0].take_waiting(lambda e: inner(e) is not None, sink)
+        if moved:
+            log.warning(
+                "group %r moved from the lost node %s to %s: the %d message(s) this "
+                "node's bridge held for it go there first, before newer ones",
+                key,
+                lost,
+                node,
+                moved,
+            )
+        return moved
 
     def flush(self) -> None:
         self.hub.flush()
@@ -571,7 +739,10 @@ class ClusterNode:
                             len(keys),
                         )
                     for k in keys:
+                        b = self.arbiter.bindings.get(k)
                         await self._unbind(k)
+                        if b is not None:
+                            self._released_from_lost(k, p.node_id, b.queue)
                 # a cached answer naming the lost node is dropped too
                 for k in [k for k, c in self._cache.items() if c.node == p.node_id]:
                     del self._cache[k]
@@ -899,7 +1070,7 @@ class ClusterNode:
                 )
         return c.node
 
-    def _deliver_to(self, node: str, a: Address, e: Entry) -> int | None:
+    def _deliver_to(self, node: str, a: Address, e: Entry, *, late: bool = False) -> int | None:
         if node == self.node_id:
             return None if a is None else self.broker.route(a, e)
         p = self.peers.get(node)
@@ -921,6 +1092,12 @@ class ClusterNode:
         self, key: str, candidate: str, qname: str, stale: tuple[str, str] | None = None
     ) -> None:
         node, failed = await self._decide_node(key, candidate, qname, stale)
+        lost = self._rescue.get(key)
+        if node is not None and lost is not None:
+            del self._rescue[key]
+            q = self.broker.queues.get(qname)
+            if q is not None and q.address is not None:
+                self._take_from_bridge(lost, key, qname, node, q.address)
         items = self._pending.pop(key, deque())
         if node is None and failed is None:
             self.timeouts += 1
@@ -1056,6 +1233,9 @@ class ClusterNode:
             key, cached = str(body.get("key")), self._cache.get(str(body.get("key")))
             if cached is None or body.get("node") in (None, cached.node):
                 self._drop_local(key, str(body.get("queue")))
+            lost = self.peers.get(str(body.get("node")))
+            if lost is not None and not lost.ready:
+                self._released_from_lost(key, lost.node_id, str(body.get("queue")))
             respond(200, "OK", True)
         elif op == "groupingReplicate":
             if self.replica_store is None:
@@ -1232,6 +1412,8 @@ class ClusterNode:
             "duplicatesDropped": self.window.duplicates,
             "forceRemoved": self.force_removed,
             "consumerlessReleased": self.consumerless_released,
+            "groupsVerifying": self.groups_verifying,
+            "lateForwarded": self.late_forwarded,
             "proposals": self.proposal_latency.summary(),
             # the arbiter's group commit: batches (one fsync + one replication each)
             "decisionBatches": {

@@ -1342,6 +1342,32 @@ class Queue:
         top = heapq.nlargest(n, backlog.items(), key=lambda kv: kv[1][0])
         return [(key_name(k), b[0], b[1]) for k, b in top]
 
+    def hold_group(self, group_id: str) -> bool:
+        """Hold a group: its messages wait, in order, and none is delivered until
+        `unhold_group` (a cluster node that comes back asks the arbiter who owns a
+        group before it serves it). False when this queue does not group."""
+        key = self._key_of(group_id)
+        if key is None or key is EXCLUSIVE:
+            return False
+        g = self._groups.get(key)
+        if g is None:
+            g = Group(key, None, self._clock())
+            self._groups[key] = g
+            self._orphans.pop(key, None)
+        g.held += 1
+        return True
+
+    def unhold_group(self, group_id: str) -> None:
+        """Undo one `hold_group`: the group moves again (bound afresh if unbound)."""
+        key = self._key_of(group_id)
+        g = self._groups.get(key) if key is not None else None
+        if g is None or not g.held:
+            return
+        g.held -= 1
+        if not g.held:
+            self._resume_group(g)
+            self.dispatch()
+
     def reset_group(self, group_id: str) -> bool:
         key = self._key_of(group_id)
         g = self._groups.get(key) if key is not None else None

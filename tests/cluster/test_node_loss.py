@@ -188,8 +188,11 @@ async def run_node_loss(
     except trio.TooSlowError:
         missing = sorted(want - received())
         for n in ("node1", "node2", "node3"):
-            print(n, await cluster.status(n))
-            print("\n".join(cluster.proc[n].stderr_lines[-15:]))
+            try:
+                print(n, await cluster.status(n))
+            except (ClientError, OSError) as exc:
+                print(n, "no status:", exc)
+            print("\n".join(cluster.proc[n].stderr_lines[-40:]))
         raise AssertionError(f"{len(missing)} accepted message(s) never delivered") from None
     await trio.sleep(0.3)  # late copies, if any, arrive now
 

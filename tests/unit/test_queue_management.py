@@ -81,3 +81,41 @@ def test_take_waiting_from_main_parked_and_unmatched_then_groups_move_on() -> No
     assert (h.queue.count, dst.count) == (1, 2)  # A1 stays (in flight)
     [row] = h.queue.group_details()
     assert (row["backlog"], row["blocked"]) == (0, False)
+
+
+def test_a_held_group_waits_in_order_while_other_groups_flow_then_binds_afresh() -> None:
+    """`hold_group` (a returning cluster node asks the arbiter before it serves a
+    recovered group, issue 20): nothing of the group is delivered, other groups flow,
+    and after `unhold_group` its messages go out in order to one new owner, with the
+    first flag; a group held twice needs two unholds."""
+    h = Harness()
+    q = h.queue
+    h.send_many("A", "B", "A")
+    assert q.hold_group("A") and q.hold_group("A")
+    c = h.attach("c", 10)
+    assert c.labels == ["B1"]
+    h.send("A")
+    q.unhold_group("A")
+    assert c.labels == ["B1"]  # still held once
+    q.unhold_group("A")
+    assert c.labels == ["B1", "A1", "A2", "A3"]
+    q.unhold_group("A")  # not held any more: no effect
+    assert c.labels == ["B1", "A1", "A2", "A3"]
+
+
+def test_holding_a_group_bound_to_a_consumer_stops_it_until_unheld() -> None:
+    h = Harness()
+    q = h.queue
+    c = h.attach("c", 10)
+    h.send("A")
+    assert c.labels == ["A1"]
+    assert q.hold_group("A")
+    h.send_many("A", "B")
+    assert c.labels == ["A1", "B1"]
+    q.unhold_group("A")
+    assert c.labels == ["A1", "B1", "A2"]
+
+
+def test_an_exclusive_or_ungrouped_queue_cannot_hold_a_group() -> None:
+    assert not Harness(policy=QueuePolicy(exclusive=True)).queue.hold_group("A")
+    assert not Harness(policy=QueuePolicy(group_buckets=0)).queue.hold_group("A")

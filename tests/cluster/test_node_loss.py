@@ -36,7 +36,7 @@ import trio
 from proton import Delivery, Message
 
 from tests.client import Client, ClientError
-from tests.cluster.cluster_helpers import Cluster, mgmt
+from tests.cluster.cluster_helpers import Cluster, TcpProxy, mgmt
 from tests.cluster.test_failover import start_elected, wait_status
 from tests.cluster.zk_harness import ZooKeeperServer, zk_path, zookeeper  # noqa: F401
 from tests.integration.broker_process import BrokerProcesses
@@ -301,3 +301,83 @@ async def test_a_lost_arbiters_groups_wait_for_it_after_the_takeover(
     )
     print(report)
     await wait_status(zc, "node1", lambda s: s["arbiter"] == "node2", "node1 follows node2")
+
+
+async def test_cut_links_to_a_node_keep_its_groups_there_in_order(
+    cluster: Cluster, nursery: trio.Nursery
+) -> None:
+    """node1 -> node3 and node2 -> node3 go through proxies that are cut for longer
+    than the node timeout while both producers send: node3 stays up (its own links
+    work) and keeps its groups; their messages wait in the bridges and follow, in
+    order, once the links are restored."""
+    proxies = {}
+    for src in ("node1", "node2"):
+        proxies[src] = TcpProxy(cluster.ports["node3"])
+        await nursery.start(proxies[src].run)
+        cluster.peer_override[(src, "node3")] = proxies[src].port
+    await cluster.start()
+    await cluster.wait_linked()
+    sessions = [Session("node2"), Session("node3")]
+    for s in sessions:
+        await nursery.start(s.run, cluster)
+    await trio.sleep(0.3)
+    producers = ("node1", "node2")
+    accepted: dict[str, list[str]] = {n: [] for n in producers}
+    round_done = dict.fromkeys(producers, -1)
+    first_round = trio.Event()
+
+    async def produce(node: str) -> None:
+        async with await cluster.connect(node) as c:
+            snd = await c.sender("orders")
+            if node != producers[0]:
+                await first_round.wait()
+            for k in range(ROUNDS):
+                msgs = [Message(body=f"{g}:{k}:{node}", group_id=g, durable=True) for g in GROUPS]
+                ds = await snd.send_many(msgs, timeout=WAIT)
+                assert all(d.remote_state == Delivery.ACCEPTED for d in ds)
+                accepted[node] += [str(m.body) for m in msgs]
+                round_done[node] = k
+                first_round.set()
+                await trio.sleep(PACE)
+
+    async with trio.open_nursery() as prod:
+        for n in producers:
+            prod.start_soon(produce, n)
+        with trio.fail_after(WAIT):
+            while True:
+                if min(round_done.values()) >= KILL_AT:
+                    break
+                await trio.sleep(0.01)
+        before = await bindings(cluster, "node1")
+        on3 = {g for g, b in before.items() if b["node"] == "node3"}
+        assert on3, before
+        for p in proxies.values():
+            p.cut()
+        with trio.fail_after(WAIT):
+            while True:
+                st = await cluster.status("node1")
+                if [w for w in st["waitingFor"] if w["node"] == "node3" and w["groups"]]:
+                    break
+                await trio.sleep(0.05)
+        await trio.sleep(1.0)  # well past the node timeout, traffic going on
+        during = await bindings(cluster, "node1")
+        assert {g: b["node"] for g, b in during.items()} == {
+            g: b["node"] for g, b in before.items()
+        }
+        for p in proxies.values():
+            p.restore()
+    want = {b for v in accepted.values() for b in v}
+    with trio.fail_after(WAIT):
+        while True:
+            if want <= {b for s in sessions for b in s.bodies}:
+                break
+            await trio.sleep(0.05)
+    for s in sessions:
+        last: dict[tuple[str, str], int] = {}
+        for b in s.bodies:
+            g, seq, src = b.split(":")
+            assert before[g]["node"] == s.node, (g, s.node)
+            assert last.get((g, src), -1) < int(seq), f"{g} from {src} out of order"
+            last[(g, src)] = int(seq)
+        if s.client is not None:
+            s.client.abort()

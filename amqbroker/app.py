@@ -75,6 +75,8 @@ from amqbroker.net.driver import ConnectionDriver, Driver, Hub, StreamDriver
 from amqbroker.net.listener import ListenError, accept_loop, bind, bound_address
 from amqbroker.net.tls import TlsConfigError, server_context
 from amqbroker.net.tls import handshake as tls_handshake
+from amqbroker.net.websocket import WebSocketDriver, WebSocketStream
+from amqbroker.net.websocket import handshake as ws_handshake
 from amqbroker.protocol.codec import ScannerCodec
 from amqbroker.protocol.connection import AmqpConnection, ConnectionLimits
 from amqbroker.protocol.fastpath import check_binding
@@ -117,6 +119,12 @@ class BrokerApp:
         self._tls_context: ssl.SSLContext | None = None
         #: TLS handshakes in progress (they count towards max_connections)
         self._tls_handshakes = 0
+        #: bound WebSocket listeners (ws://, wss://), in ws_listeners / wss_listeners order
+        self.ws_listening: list[tuple[str, int]] = []
+        self.wss_listening: list[tuple[str, int]] = []
+        #: WebSocket openings (TLS for wss, then the upgrade) in progress: they count
+        #: towards max_connections like TLS handshakes
+        self._ws_handshakes = 0
         self.journal: Journal | None = None
         #: this broker's name (node_id, or <hostname>-<port> once listening)
         self.node_id = settings.node_id
@@ -176,7 +184,7 @@ class BrokerApp:
     def _build(self) -> None:
         s = self.settings
         check_binding()
-        if s.tls_listeners:
+        if s.tls_listeners or s.wss_listeners:
             try:
                 self._tls_context = server_context(
                     cert_file=s.tls_cert_file,
@@ -344,20 +352,28 @@ class BrokerApp:
         s = self.settings
         sockets: list[socket.socket] = []
         tls_sockets: list[socket.socket] = []
+        ws_sockets: list[socket.socket] = []
+        wss_sockets: list[socket.socket] = []
         try:
             for host, port in [(s.host, s.port)] + [parse_listener(x) for x in s.extra_listeners]:
                 sockets.append(bind(host, port))
             for host, port in [parse_listener(x) for x in s.tls_listeners]:
                 tls_sockets.append(bind(host, port))
+            for host, port in [parse_listener(x) for x in s.ws_listeners]:
+                ws_sockets.append(bind(host, port))
+            for host, port in [parse_listener(x) for x in s.wss_listeners]:
+                wss_sockets.append(bind(host, port))
             if self.telemetry is not None:
                 self.telemetry.bind()
         except (ListenError, TelemetryError) as exc:
-            for sk in sockets + tls_sockets:
+            for sk in sockets + tls_sockets + ws_sockets + wss_sockets:
                 sk.close()
             self._close_store()
             raise StartupError(str(exc)) from exc
         self.listening = [bound_address(sk) for sk in sockets]
         self.tls_listening = [bound_address(sk) for sk in tls_sockets]
+        self.ws_listening = [bound_address(sk) for sk in ws_sockets]
+        self.wss_listening = [bound_address(sk) for sk in wss_sockets]
         self.node_id = (
             s.node_id or s.cluster_node_id or f"{socket.gethostname()}-{self.listening[0][1]}"
         )
@@ -402,6 +418,10 @@ class BrokerApp:
                             accepting.start_soon(accept_loop, sk, self._serve, conns)
                         for sk in tls_sockets:
                             accepting.start_soon(accept_loop, sk, self._serve_tls, conns)
+                        for sk in ws_sockets:
+                            accepting.start_soon(accept_loop, sk, self._serve_ws, conns)
+                        for sk in wss_sockets:
+                            accepting.start_soon(accept_loop, sk, self._serve_wss, conns)
                         log.info(
                             "amqbroker %s listening on %s; data in %s (%d queue(s), %d "
                             "message(s) recovered)",
@@ -409,6 +429,8 @@ class BrokerApp:
                             ", ".join(
                                 [f"amqp://{h}:{p}" for h, p in self.listening]
                                 + [f"amqps://{h}:{p}" for h, p in self.tls_listening]
+                                + [f"ws://{h}:{p}" for h, p in self.ws_listening]
+                                + [f"wss://{h}:{p}" for h, p in self.wss_listening]
                             ),
                             self.data_dir,
                             self.recovered_queues,
@@ -456,7 +478,7 @@ class BrokerApp:
         assert self._tls_context is not None
         s = self.settings
         accepted_at = trio.current_time()
-        if self.hub.slots + self._tls_handshakes >= s.max_connections:
+        if self.hub.slots + self._tls_handshakes + self._ws_handshakes >= s.max_connections:
             log.warning(
                 "refusing TLS connection from %s: max_connections (%d) reached (counting "
                 "%d TLS handshake(s) in progress); closed before the handshake",
@@ -483,17 +505,56 @@ class BrokerApp:
                 sock, peer, stream=stream, tls_identity=identity, accepted_at=accepted_at
             )
 
+    async def _serve_wss(self, sock: socket.socket, peer: str) -> None:
+        await self._serve_ws(sock, peer, tls=True)
+
+    async def _serve_ws(self, sock: socket.socket, peer: str, *, tls: bool = False) -> None:
+        """A connection on a WebSocket listener: TLS (wss) and the HTTP upgrade
+        (`amqbroker.net.websocket`), then `_serve` on the WebSocket stream. Counted
+        towards max_connections and bounded by handshake_timeout like `_serve_tls`."""
+        s = self.settings
+        accepted_at = trio.current_time()
+        if self.hub.slots + self._tls_handshakes + self._ws_handshakes >= s.max_connections:
+            log.warning(
+                "refusing WebSocket connection from %s: max_connections (%d) reached "
+                "(counting %d TLS/WebSocket handshake(s) in progress); closed before the "
+                "upgrade",
+                peer,
+                s.max_connections,
+                self._tls_handshakes + self._ws_handshakes,
+            )
+            sock.close()
+            return
+        self._ws_handshakes += 1
+        try:
+            opened = await ws_handshake(
+                sock,
+                peer=peer,
+                tls_context=self._tls_context if tls else None,
+                deadline=accepted_at + s.handshake_timeout,
+                handshake_timeout=s.handshake_timeout,
+                max_message_size=s.ws_max_message_size,
+                read_size=s.read_buffer_size,
+            )
+        finally:
+            self._ws_handshakes -= 1
+        if opened is not None:
+            stream, identity = opened
+            await self._serve(
+                sock, peer, stream=stream, tls_identity=identity, accepted_at=accepted_at
+            )
+
     async def _serve(
         self,
         sock: socket.socket,
         peer: str,
         *,
-        stream: trio.SSLStream[trio.SocketStream] | None = None,
+        stream: trio.SSLStream[trio.SocketStream] | WebSocketStream | None = None,
         tls_identity: str | None = None,
         accepted_at: float | None = None,
     ) -> None:
-        """One connection: `sock` on the plain path, or `stream` (TLS, handshake done;
-        `accepted_at` starts the opening deadline) over it."""
+        """One connection: `sock` on the plain path, or `stream` (TLS or WebSocket,
+        handshake done; `accepted_at` starts the opening deadline) over it."""
         assert self.broker is not None
         n = next(self._conn_ids)
         limits = self._limits
@@ -559,11 +620,15 @@ class BrokerApp:
                 on_release=release,
             )
         else:
-            driver = StreamDriver(
+            driver = (WebSocketDriver if isinstance(stream, WebSocketStream) else StreamDriver)(
                 self.hub,
                 conn,
                 stream,
-                sock=stream.transport_stream.socket,
+                sock=(
+                    stream.socket
+                    if isinstance(stream, WebSocketStream)
+                    else stream.transport_stream.socket
+                ),
                 read_size=self.settings.read_buffer_size,
                 handshake_timeout=self.settings.handshake_timeout,
                 accepted_at=accepted_at,

@@ -10,7 +10,8 @@ Sources and precedence
 3. environment variables ``AMQBROKER_<NAME>`` (prefix and name case-insensitive, e.g.
    ``AMQBROKER_MAX_FRAME_SIZE``); structured settings (``users``,
    ``tls_identity_users``, ``address_settings``, ``addresses``) take JSON;
-   ``extra_listeners`` and ``tls_listeners`` take JSON or a comma-separated list;
+   the listener lists (``extra_listeners``, ``tls_listeners``, ``ws_listeners``,
+   ``wss_listeners``) take JSON or a comma-separated list;
    environment variables naming no setting are ignored;
 4. command-line flags (``overrides``; None values mean "flag not given").
 
@@ -301,6 +302,15 @@ class Settings(BaseSettings):
     tls_client_auth: Literal["none", "optional", "required"] = "none"
     tls_min_version: Literal["TLSv1.2", "TLSv1.3"] = "TLSv1.2"
 
+    # AMQP over WebSocket (amqbroker.net.websocket); wss uses the tls_* files
+    ws_listeners: list[Listener] = Field(
+        default_factory=list, description="WebSocket (ws://) listeners, each 'host:port'"
+    )
+    wss_listeners: list[Listener] = Field(
+        default_factory=list, description="WebSocket over TLS (wss://) listeners"
+    )
+    ws_max_message_size: ConfigInt = Field(default=1 * MIB, ge=512)
+
     # process
     data_dir: Annotated[Path, BeforeValidator(_data_dir)] = Field(
         default=Path("amqbroker-data"), description="directory of the message store"
@@ -538,18 +548,45 @@ class Settings(BaseSettings):
                     "its own host:port",
                 )
             seen[listener] = f"TLS listener {text}"
-        if self.tls_listeners:
+        self._check_websocket(seen)
+        for key in ("tls_listeners", "wss_listeners"):
             for name, what in (("tls_cert_file", "certificate"), ("tls_key_file", "private key")):
-                if not getattr(self, name):
+                if getattr(self, key) and not getattr(self, name):
                     raise _CrossFieldError(
-                        {"tls_listeners": self.tls_listeners, name: ""},
-                        f"TLS listeners need the broker's {what}: set {name} to a PEM file",
+                        {key: getattr(self, key), name: ""},
+                        f"{'TLS' if key == 'tls_listeners' else 'wss (WebSocket over TLS)'} "
+                        f"listeners need the broker's {what}: set {name} to a PEM file",
                     )
         if self.tls_client_auth != "none" and not self.tls_ca_file:
             raise _CrossFieldError(
                 {"tls_client_auth": self.tls_client_auth, "tls_ca_file": ""},
                 "client certificates are verified against tls_ca_file: set it to a PEM "
                 'file of the CA certificates, or set tls_client_auth = "none"',
+            )
+
+    def _check_websocket(self, seen: dict[tuple[str, int], str]) -> None:
+        """WebSocket listeners need their own host:port; a client may send a frame of
+        max_frame_size in one message, so ws_max_message_size must allow it."""
+        for key, what in (("ws_listeners", "WebSocket"), ("wss_listeners", "wss")):
+            for text in getattr(self, key):
+                listener = parse_listener(text)
+                if listener[1] and listener in seen:
+                    raise _CrossFieldError(
+                        {key: getattr(self, key)},
+                        f"{what} listener {text} repeats {seen[listener]}; each listener "
+                        "needs its own host:port",
+                    )
+                seen[listener] = f"{what} listener {text}"
+        if (self.ws_listeners or self.wss_listeners) and (
+            self.ws_max_message_size < self.max_frame_size
+        ):
+            raise _CrossFieldError(
+                {
+                    "ws_max_message_size": self.ws_max_message_size,
+                    "max_frame_size": self.max_frame_size,
+                },
+                "ws_max_message_size must be at least max_frame_size: a WebSocket client "
+                "may send a whole AMQP frame in one message",
             )
 
     def listen_addresses(self) -> list[tuple[str, int]]:
@@ -577,9 +614,13 @@ _JSON_EXAMPLES: Final = {
     "extra_listeners": '["0.0.0.0:5673"] or 0.0.0.0:5673,[::1]:5674',
     "cluster_peers": '["node2=127.0.0.1:5673"] or node2=127.0.0.1:5673,node3=127.0.0.1:5674',
     "tls_listeners": '["0.0.0.0:5671"] or 0.0.0.0:5671,[::1]:5671',
+    "ws_listeners": '["0.0.0.0:5680"] or 0.0.0.0:5680,[::1]:5680',
+    "wss_listeners": '["0.0.0.0:5681"] or 0.0.0.0:5681,[::1]:5681',
 }
 #: listener lists: JSON or a comma-separated list in environment variables
-_LISTENER_FIELDS: Final = frozenset({"extra_listeners", "tls_listeners"})
+_LISTENER_FIELDS: Final = frozenset(
+    {"extra_listeners", "tls_listeners", "ws_listeners", "wss_listeners"}
+)
 #: values never repeated in messages
 _SECRET_FIELDS: Final = frozenset({"users", "cluster_password"})
 

@@ -56,6 +56,9 @@
 //   --username U --password P   SASL PLAIN (default: no SASL layer at all)
 //   --sasl-anonymous            SASL ANONYMOUS
 //   --container-id ID
+//   --websocket                 AMQP over WebSocket (ws://host:port/, subprotocol amqp,
+//                               the npm ws package): rhea.websocket_connect(require('ws'))
+//   --ca FILE                   with --websocket: wss:// instead, trusting the PEM CA FILE
 // Messages (send, roundtrip, groups, dynamic, anonymous, release)
 //   --count N (1; groups: 20)  --body-prefix S ("m": bodies m0, m1, ...)
 //   --groups G (0; groups: 4)  message i is in group <group-prefix><i % G> with
@@ -107,11 +110,12 @@ function out(obj) {
 
 const FLAGS = new Set([
     'durable', 'raw', 'expect-empty', 'ready', 'missing-to', 'sasl-anonymous',
-    'expect-refused', 'unsubscribe-by-name', 'global',
+    'expect-refused', 'unsubscribe-by-name', 'global', 'websocket',
 ]);
 const VALUES = new Set([
     'host', 'port', 'address', 'count', 'timeout', 'username', 'password', 'container-id',
     'body-prefix', 'groups', 'group-prefix', 'messages', 'credit', 'to', 'selector', 'sub',
+    'ca',
 ]);
 
 function parseArgs(argv) {
@@ -326,6 +330,13 @@ async function connect(opts, role, containerId) {
     } else if (opts['sasl-anonymous']) {
         options.username = 'anonymous';
     }
+    if (opts.websocket) {
+        const scheme = opts.ca !== undefined ? 'wss' : 'ws';
+        const url = `${scheme}://${options.host}:${options.port}/`;
+        const wsOptions = opts.ca !== undefined ? {ca: require('fs').readFileSync(opts.ca)} : {};
+        options.connection_details =
+            container.websocket_connect(require('ws'))(url, ['amqp'], wsOptions);
+    }
     const c = {role, opened: false, closed: false, closing: false};
     const conn = container.connect(options);
     c.conn = conn;
@@ -385,7 +396,7 @@ async function closeConnection(c) {
     if (c.closed) return;
     c.closing = true;
     const sock = c.conn.socket;
-    if (sock && !sock.destroyed) {
+    if (sock && !sock.destroyed && typeof sock.once === 'function') {
         sock.once('close', () => {
             c.closed = true;
             kick();
@@ -405,10 +416,12 @@ async function closeAll() {
             c.closed = true;
             continue;
         }
-        sock.once('close', () => {
-            c.closed = true;
-            kick();
-        });
+        if (typeof sock.once === 'function') {  // a WebSocket: connection_close says it
+            sock.once('close', () => {
+                c.closed = true;
+                kick();
+            });
+        }
         c.conn.close();
     }
     await until(() => connections.every((c) => c.closed), 'the broker to close the connections');

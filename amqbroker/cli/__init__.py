@@ -9,7 +9,7 @@ Commands::
     amqbroker hash-password [--scram] [--iterations N]
     amqbroker config show [--config FILE] [--json]
     amqbroker check node|queue NAME      probes: exit 0 ok, 1 failed, 2 unreachable
-    amqbroker queue stat|show|create|delete|purge|pause|resume|update
+    amqbroker queue stat|show|create|delete|purge|pause|resume|update|move|retry
     amqbroker address create|delete|show
     amqbroker groups list|count|reset QUEUE
     amqbroker producer|consumer|browser ADDRESS
@@ -17,8 +17,10 @@ Commands::
     amqbroker cluster status [--bindings] nodes, links, arbiter and epoch
     amqbroker audit PATH... [--master URL] [--out DIR]   the PySpark delivery audit
 
-Every command that talks to a broker takes --url, --user, --password (or
-AMQBROKER_URL, AMQBROKER_USER, AMQBROKER_PASSWORD); every table has --json. Exit
+Every command that talks to a broker takes --url (amqp:// or amqps://), --user,
+--password, --mechanism, --ca-file, --cert-file, --key-file (or AMQBROKER_URL,
+AMQBROKER_USER, AMQBROKER_PASSWORD, AMQBROKER_MECHANISM, AMQBROKER_CA_FILE,
+AMQBROKER_CERT_FILE, AMQBROKER_KEY_FILE); every table has --json. Exit
 codes: 0 success, 1 the broker refused (status code and description printed) or a
 check failed, 2 the broker could not be reached or the command line is wrong.
 Modules: `common` (options, errors, output), `server` (create, run, hash-password,

@@ -18,16 +18,22 @@ Setups, each run --runs times with the same total of producers and consumers:
                 them is forwarded over the bridges (store-and-forward)
 
 Measured: msgs/s (first send -> last receive, all nodes), latency p50/p99, CPU of all
-broker processes per message, and the proposal latency every node recorded (time from
-proposing a new group to the arbiter's answer, `clusterStatus` "proposals": on node1
-a local decision including the decision log's fsync, on node2/node3 the round trip to
-node1). Usage::
+broker processes per message (and of each node), and the proposal latency every node
+recorded (time from proposing a new group to the arbiter's answer, `clusterStatus`
+"proposals": on node1 a local decision including the decision log's fsync, on
+node2/node3 the round trip to node1). Usage::
 
     .venv/bin/python scripts/cluster_bench.py                 # all setups, defaults
     .venv/bin/python scripts/cluster_bench.py --count 30000 --groups 1000 --runs 2
     .venv/bin/python scripts/cluster_bench.py --setups cluster-local --groups 20000
     .venv/bin/python scripts/cluster_bench.py --setups cluster-local --groups 3000 \
         --count 3000 --rate 300                   # proposals spread out, no burst
+    .venv/bin/python scripts/cluster_bench.py --setups cluster-fwd --runs 1 \
+        --profile /tmp/prof                       # py-spy samples of every broker
+
+`--profile DIR` attaches `py-spy record --format raw` (pip install py-spy) to every
+broker while the messages flow: collapsed stacks, one file per node, a line per stack
+with its sample count.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -128,7 +135,24 @@ class Brokers:
                 time.sleep(0.05)
 
     def cpu(self) -> float:
-        return sum(proc_cpu_seconds(p.pid) for p in self.procs.values())
+        return sum(self.cpu_by_node().values())
+
+    def cpu_by_node(self) -> dict[str, float]:
+        return {n: proc_cpu_seconds(p.pid) for n, p in self.procs.items()}
+
+    def profile(self, out: str, tag: str) -> list[subprocess.Popen[bytes]]:
+        """py-spy samplers attached to every broker (collapsed stacks, one file each)."""
+        Path(out).mkdir(parents=True, exist_ok=True)
+        spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+        spies = []
+        for n, p in self.procs.items():
+            cmd = [spy, "record", "--pid", str(p.pid), "--format", "raw", "--rate", "500"]
+            cmd += ["--nonblocking", "-o", str(Path(out) / f"{tag}-{n}.txt")]
+            spies.append(
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+        time.sleep(1.0)  # py-spy attaches
+        return spies
 
     def __exit__(self, *exc: object) -> None:
         for p in self.procs.values():
@@ -139,6 +163,16 @@ class Brokers:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def stop_profiles(spies: list[subprocess.Popen[bytes]]) -> None:
+    for s in spies:
+        s.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for s in spies:
+        try:
+            s.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            s.kill()
 
 
 def placement(setup: str, producers: int, consumers: int) -> tuple[list[str], list[str]]:
@@ -181,7 +215,8 @@ def run_once(
             for i, n in enumerate(pnodes)
         ]
         fleet.wait_ready(producers)
-        cpu0, busy0, t0 = b.cpu(), machine_busy_seconds(), time.monotonic()
+        spies = b.profile(args.profile, f"{setup}-{run}") if args.profile else []
+        cpu0, busy0, t0 = b.cpu_by_node(), machine_busy_seconds(), time.monotonic()
         fleet.send(producers, "go")
         # done: every producer has its outcomes and every accepted message arrived (a
         # proposal that times out rejects its messages: counted, never waited for)
@@ -194,7 +229,8 @@ def run_once(
             ),
             args.timeout,
         )
-        cpu1, busy1, t1 = b.cpu(), machine_busy_seconds(), time.monotonic()
+        cpu1, busy1, t1 = b.cpu_by_node(), machine_busy_seconds(), time.monotonic()
+        stop_profiles(spies)
         fleet.stop()
         row.update(_sum_producers(producers))
         row.update(_consumer_results(fleet, consumers, check_groups=args.groups > 0))
@@ -204,8 +240,13 @@ def run_once(
         t_last = max(lasts, default=0)
         elapsed = (t_last - t_first) / 1e9 if t_first and t_last > t_first else 0.0
         row["msgs_per_s"] = round(row["received"] / elapsed) if elapsed else None
-        row["broker_cpu_us_per_msg"] = round(1e6 * (cpu1 - cpu0) / max(args.count, 1), 1)
-        row["broker_cpu_pct"] = round(100 * (cpu1 - cpu0) / (t1 - t0), 1)
+        cpu = {n: cpu1[n] - cpu0[n] for n in cpu0}
+        row["broker_cpu_us_per_msg"] = round(1e6 * sum(cpu.values()) / max(args.count, 1), 1)
+        if b.cluster:
+            row["node_cpu_us_per_msg"] = {
+                n: round(1e6 * c / max(args.count, 1), 1) for n, c in cpu.items()
+            }
+        row["broker_cpu_pct"] = round(100 * sum(cpu.values()) / (t1 - t0), 1)
         row["machine_busy_cores"] = round((busy1 - busy0) / (t1 - t0), 2)
         row["first_error"] = fleet.first_error()
     if b.cluster:
@@ -240,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per run (300)")
     ap.add_argument("--broker-env", action="append", default=[], help="NAME=VALUE for every broker")
     ap.add_argument("--json", action="store_true", help="print one JSON line per run")
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="sample every broker with py-spy (pip install py-spy) while the messages "
+        "flow; collapsed stacks in DIR/<setup>-<run>-<node>.txt",
+    )
     args = ap.parse_args(argv)
     setups = [s for s in args.setups.split(",") if s]
     for s in setups:
@@ -271,7 +318,15 @@ def main(argv: list[str] | None = None) -> int:
                 line = (
                     f"{setup:14} run {run}: {row.get('msgs_per_s')} msgs/s, latency p50 "
                     f"{fmt_us(row.get('lat_p50_us'))} ms p99 {fmt_us(row.get('lat_p99_us'))} ms, "
-                    f"broker CPU {row.get('broker_cpu_us_per_msg')} us/msg, "
+                    f"broker CPU {row.get('broker_cpu_us_per_msg')} us/msg"
+                    + (
+                        " ("
+                        + ", ".join(f"{n} {v}" for n, v in row["node_cpu_us_per_msg"].items())
+                        + ")"
+                        if "node_cpu_us_per_msg" in row
+                        else ""
+                    )
+                    + ", "
                     f"groups {row.get('group_check', '-')}, "
                     f"rejected {row.get('not_accepted', '-')}, ok={row.get('ok')}"
                 )

@@ -47,9 +47,11 @@ class DuplicateWindow:
 
     def seen(self, bridge_id: str) -> bool:
         """True if `bridge_id` was already seen; remembers it otherwise."""
-        node = bridge_id.split(":", 1)[0]
-        w = self._seen.setdefault(node, OrderedDict())
-        if bridge_id in w:
+        node = bridge_id.partition(":")[0]
+        w = self._seen.get(node)
+        if w is None:
+            w = self._seen[node] = OrderedDict()
+        elif bridge_id in w:
             self.duplicates += 1
             return True
         w[bridge_id] = None
@@ -86,7 +88,10 @@ class BridgeInboundLink(ProducerLink):
                 fp.accept(d)
             return
         try:
-            self.address = self.broker.address_for_producer(target)
+            # an existing address is what address_for_producer would return for a
+            # plain name (no options, no routing hint): the dict lookup first
+            a = self.broker.addresses.get(target)
+            self.address = a if a is not None else self.broker.address_for_producer(target)
         except BrokerError as exc:
             self._refuse(d, presettled, exc.condition, exc.description)
             return

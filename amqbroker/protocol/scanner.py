@@ -90,7 +90,9 @@ for a malformation inside it that `scan` did not look at. Every header field is 
 so `set_delivery_count` never fails on a message `scan` accepted.
 
 `jms_dest` (not on the hot path) reads the JMS destination type annotation
-``x-opt-jms-dest`` with the same map walk.
+``x-opt-jms-dest`` with the same map walk. `annotated_body` reads a message that
+carries another one (the cluster's forwarding envelope): two annotation strings and
+the offsets of the body binary, framing every section like the splices.
 
 Truncated or corrupt input never raises anything but `ScanError` (no IndexError,
 struct.error or UnicodeDecodeError escapes), and no input can cause deep recursion:
@@ -111,6 +113,7 @@ __all__ = [
     "Scanned",
     "add_application_property",
     "add_message_annotations",
+    "annotated_body",
     "application_properties",
     "duplicate_id",
     "jms_dest",
@@ -1307,3 +1310,64 @@ def application_properties(data: bytes) -> dict[str, object]:
     except (IndexError, struct.error):  # pragma: no cover - _elements framed them
         raise ScanError(f"application-properties at offset {v} overruns its size") from None
     return out
+
+
+def annotated_body(data: bytes, keys: tuple[bytes, ...]) -> tuple[list[str | None], int, int]:
+    """Read a message that carries another one (the cluster's forwarding envelope):
+    the text of the message annotations `keys` (raw key bytes, symbol or string keys;
+    string or symbol values, anything else reads as None; the first entry with a given
+    key wins) and the offsets (start, end) of the binary that forms the body: one data
+    section, or an amqp-value holding a binary (how `proton.Message(body=bytes)`
+    encodes it). Raises ScanError for a malformed message or any other body.
+
+    Frames every section like the splices do (validation as `scan`); walks only the
+    message-annotations map and never looks inside the body binary."""
+    sections = _sections(data)
+    values: list[str | None] = [None] * len(keys)
+    body: _Section | None = None
+    for sec in sections:
+        code = sec[0]
+        if code == _MESSAGE_ANNOTATIONS:
+            _envelope_keys(data, sec[2], keys, values)
+        elif _DATA <= code <= _VALUE:
+            if body is not None:
+                raise ScanError(
+                    f"{_SECTION_NAMES[code]} section at offset {sec[1]}: expected one "
+                    "data section holding a binary"
+                )
+            body = sec
+    if body is None:
+        raise ScanError("no body: expected one data section holding a binary")
+    code, start, v, end = body
+    c = data[v]
+    if code == _SEQUENCE or (code == _VALUE and c not in _BINARY_SHAPES):
+        raise ScanError(
+            f"{_SECTION_NAMES[code]} body at offset {start}: expected one data section "
+            "holding a binary"
+        )
+    return values, (v + 2 if c == 0xA0 else v + 5), end
+
+
+def _envelope_keys(data: bytes, v: int, keys: tuple[bytes, ...], out: list[str | None]) -> None:
+    """Fill `out` with the string values of `keys` in the map at `v`."""
+    elements = _elements(data, v)
+    if len(elements) & 1:
+        raise ScanError(f"message-annotations map at offset {v} has an odd count")
+    seen = 0
+    try:
+        for i in range(0, len(elements), 2):
+            key = _key_bytes(data, elements[i][0])
+            if key is None or key not in keys:
+                continue
+            j = keys.index(key)
+            if seen & (1 << j):
+                continue  # the first entry wins
+            seen |= 1 << j
+            vs, ve = elements[i + 1]
+            c = data[vs]
+            if c in {0xA1, 0xA3}:
+                out[j] = data[vs + 2 : ve].decode()
+            elif c in {0xB1, 0xB3}:
+                out[j] = data[vs + 5 : ve].decode()
+    except UnicodeDecodeError:
+        raise ScanError(f"invalid UTF-8 in message-annotations at offset {v}") from None

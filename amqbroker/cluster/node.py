@@ -265,6 +265,9 @@ class ClusterNode:
             if self.grouping == "LOCAL" or bool(s.cluster_zookeeper)
             else None,
             trio.current_time,
+            # without fsync an append takes microseconds: a worker-thread hop would
+            # only add scheduling delay to every proposal's answer
+            in_thread=s.store_sync,
         )
         self.role = ArbiterRole(self.node_id, self.arbiter, on_change=self._role_changed)
         #: with cluster_zookeeper: the arbiter election (run), its replication to the

@@ -303,6 +303,7 @@ class ProducerLink:
         "denied",
         "dlog",
         "fallback",
+        "fallback_per_destination",
         "link",
         "max_size",
         "origin",
@@ -359,6 +360,9 @@ class ProducerLink:
         self.dlog = conn.broker.dlog
         self.producer_id = f"{conn.conn_id}/{link.name}"
         self.fallback = True
+        #: no address at attach (anonymous relay, cluster inbound): the fallback is
+        #: scanned on and then settled by each message's destination (`_route`)
+        self.fallback_per_destination = address is None
         if address is not None and address.settings is not None:
             self.fallback = bool(address.settings.group_id_from_application_properties)
 
@@ -463,6 +467,12 @@ class ProducerLink:
                 ):
                     return
                 a = broker.address_for_relay(to, data)
+            if gid is not None and self.fallback_per_destination:
+                st = a.settings
+                if st is not None and not st.group_id_from_application_properties:
+                    # this destination takes the group from properties.group-id only:
+                    # scan again without the application-property fallback
+                    gid, gseq = scan(data, False)[5:7]
             expiry = 0
             if ttl:
                 expiry = int(broker.clock() * 1000) + ttl

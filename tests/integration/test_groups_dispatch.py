@@ -436,3 +436,35 @@ async def test_drain_completes_when_only_other_owners_messages_wait(
     await r2.expect_none(0.2)
     r1.flow(5)
     assert await take(r1, 2) == ["A2", "A3"]
+
+
+async def test_relay_takes_the_fallback_setting_of_each_destination(
+    make_broker: BrokerFactory, client: ClientFactory, autojump_clock: Any
+) -> None:
+    """The anonymous relay (no address at attach) used to group every message by its
+    JMSXGroupID application property, whatever the destination's settings said
+    (issue 21): the setting is now resolved per message, from its `to`."""
+    app = await make_broker(
+        address_settings={"strict.#": {"group_id_from_application_properties": False}}
+    )
+    c = await client(app)
+    r1 = await c.receiver("strict.q", credit=20)
+    r2 = await c.receiver("strict.q", credit=20)
+    r3 = await c.receiver("other.q", credit=20)
+    r4 = await c.receiver("other.q", credit=20)
+    relay = await c.sender(None)
+    out = []
+    for to in ("strict.q", "other.q"):
+        for body in ("j1", "j2"):
+            m = msg(body, JMSXGroupID="G")
+            m.address = to
+            out.append(m)
+    await relay.send_many(out)
+    assert await take(r1, 1) == ["j1"]  # strict: round robin, no group
+    assert await take(r2, 1) == ["j2"]
+    assert await take(r3, 2) == ["j1", "j2"]  # default: grouped by JMSXGroupID
+    await r4.expect_none(0.2)
+    assert app.broker is not None
+    assert app.broker.queues["strict.q"].group_count() == 0
+    assert app.broker.queues["other.q"].group_count() == 1
+    await assert_idle(app, c)

@@ -882,6 +882,8 @@ class ClusterNode:
         if b is None:
             return
         self._drop_local(key, b.queue)
+        if self.broker.dlog is not None:  # the audit's marker: the group may move now
+            self.broker.dlog.marker(dl.UNBOUND, f"{b.node}/{b.queue}", key[: -len(b.queue) - 1])
         for p in self.peers.values():
             self._request(
                 p,
@@ -1088,6 +1090,8 @@ class ClusterNode:
         if dlog is not None:
             # the message (its own id and group) leaves for `node`: the bridge queue's
             # records that follow are those of the wrapped copy
+            if late:  # a stranded message leaves its queue here: delivered late
+                dlog.event(dl.LATE, a.queues[0].name, e)
             dlog.event(dl.FORWARDED, f"{node}/{a.queues[0].name}", e)
         return self.broker.route(p.bridge, fe, check_full=False)
 

@@ -22,6 +22,12 @@ released       `Queue.remove_consumer`: an unsettled message went back to
                its queue without an outcome (detach, connection lost)
 expired        `Broker.expired` (called by `Queue._expire`)
 dead_lettered  `Broker.dead_letter` (rejected, or out of delivery attempts)
+started        the writer itself, first record of each boot (no message)
+unbound        the cluster arbiter (`ClusterNode._unbind`, via `marker`):   queue,
+               a group's binding to "<node>/<queue>" was released          group
+late           the cluster (`ClusterNode._deliver_to`, late): a stranded   queue
+               message of a moved group leaves this node after a node
+               loss (policy move), before its ``forwarded`` record
 =============  ==========================================================  =========
 
 The core calls `DeliveryLog.event` synchronously from the event loop; the
@@ -53,6 +59,9 @@ SETTLED = 4
 RELEASED = 5
 EXPIRED = 6
 DEAD_LETTERED = 7
+STARTED = 8
+UNBOUND = 9
+LATE = 10
 
 #: settled outcomes
 ACCEPTED = "accepted"
@@ -84,6 +93,11 @@ class DeliveryLog(Protocol):
         ...
 
     def forget(self, producer: BlockedProducer) -> None: ...
+
+    def marker(self, event: int, queue: str, group_id: str) -> None:
+        """Record a marker about a group, not a message (`UNBOUND`: ``queue`` =
+        "<node>/<queue>" of the released binding); buffered, never raises."""
+        ...
 
     def set_owner_epoch(self, epoch: int) -> None:
         """Records from the next event on carry this owner epoch (the cluster's

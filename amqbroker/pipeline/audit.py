@@ -17,19 +17,25 @@ its docstring defines every term), expressed as DataFrame operations:
    routed / received / dispatch seq and time, first accepted seq, resolved, ...), then a
    window over ``(node, message_id)`` for what a slot needs from its siblings (receive
    time, routed on this node, dead-letter seq). Cached: every other step reads it.
-3. lost / still queued / unrouted / duplicate-after-settle: filters on slots (still
-   queued: unresolved, not held by a consumer, not overtaken by a later copy of its
-   group: a window per ``(node, queue, group)``; it is reported, not a finding that
-   fails the audit; `amqbroker.pipeline.invariants` does not know it yet and calls
-   those copies lost); received-twice: a
-   ``groupBy(message_id)`` over slots; order: a window per ``(node, queue, group)``
-   ordered by arrival (running max of earlier copies' first dispatch).
+3. lost / still queued / unrouted / duplicate-after-settle / late: filters on slots
+   (still queued: unresolved, not held by a consumer, not overtaken by a later copy of
+   its group: a window per ``(node, queue, group)``; reported, not a finding that
+   fails the audit); received-twice: a ``groupBy(message_id)`` over slots; order: a
+   window per ``(node, queue, group)`` ordered by arrival (running max of earlier
+   copies' first dispatch).
 4. two owners: a window per slot pairs each dispatch with its next settle/release; the
    deliveries become +1/-1 endpoints ordered by ``(owner_epoch, ts_us, node, seq)``;
    running sums per group and per (group, consumer) give, at each dispatch, the
    deliveries other consumers still hold (a moment), and the number of consumers
    holding one: an episode runs from where it reaches 2 until it drops below; the
    invariant counts episodes (each with its moments, first and last moment).
+   Producer order (`_producer_order`): each message's entry ``received`` (an anti-join
+   drops the nodes its ``forwarded`` records name) joined by message-id to its first
+   dispatch in that queue on any node; a window per (queue, group, entry node, boot,
+   producer) ordered by the order key gives each message the earliest first dispatch
+   of the later ones (the boot: the ``started`` markers, collected, one per start of a
+   node). Moves (`_moves`): the dispatches and ``unbound`` markers of a group in one
+   window ordered like the two-owner endpoints.
 5. latency percentiles (``percentile_approx``), log-scale histograms, per-consumer
    load, group sizes and the worst groups: aggregations.
 
@@ -333,7 +339,181 @@ _FINDING_COLS = (
     ("last_seq", "bigint"),
     ("last_consumer", "string"),
     ("last_ts_us", "bigint"),
+    # producer order: the producer, its boot and the later message (its first dispatch:
+    # last_node, last_ts_us; the message's own: node, first_ts_us); moves: from
+    # last_node to node
+    ("producer", "string"),
+    ("boot", "bigint"),
+    ("later_message_id", "string"),
 )
+
+
+def _finding(kind: str, df: DataFrame, **cols: Column) -> DataFrame:
+    """`df` as finding rows of `kind` (`_FINDING_COLS`, null where it has none)."""
+    from pyspark.sql import functions as F
+
+    have = set(df.columns)
+    return df.select(
+        F.lit(kind).alias("kind"),
+        *[
+            (cols[c] if c in cols else F.col(c) if c in have else F.lit(None)).cast(t).alias(c)
+            for c, t in _FINDING_COLS
+        ],
+    )
+
+
+def _first_dispatch(mid: Any, node: Any, ts_us: Any) -> dict[str, Any]:
+    when = datetime.datetime.fromtimestamp(ts_us / 1e6, datetime.UTC)
+    return {
+        "message_id": mid,
+        "node": node,
+        "ts_us": ts_us,
+        "time": when.isoformat(timespec="microseconds"),
+    }
+
+
+def _boot(events: DataFrame, node: Column, seq: Column) -> Column:
+    """The boot of a record of `node` at `seq`: the ``started`` markers of that node
+    at or before it (1 action: the markers are few, one per start of a node)."""
+    from pyspark.sql import functions as F
+
+    starts = events.filter(F.col("event") == "started").select("node", "seq").collect()
+    boot: Column = F.lit(0)
+    for r in starts:
+        boot = boot + ((node == F.lit(r["node"])) & (seq >= F.lit(r["seq"]))).cast("long")
+    return boot
+
+
+def _producer_order(events: DataFrame, ev: DataFrame, slots: DataFrame) -> DataFrame:
+    """Producer order (`amqbroker.pipeline.invariants`): messages joined by message-id
+    from their entry ``received`` (not on a node a ``forwarded`` record names) to their
+    first dispatch in that queue on any node; a window per (queue, group, producer)
+    ordered by the order key gives each message the earliest first dispatch of the
+    messages after it."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    inbound = (
+        ev.filter(col("event") == "forwarded")
+        .select("message_id", F.substring_index(col("queue"), "/", 1).alias("node"))
+        .distinct()
+    )
+    entry = (
+        ev.filter(col("event") == "received")
+        .join(inbound, ["message_id", "node"], "left_anti")
+        .groupBy("message_id")
+        .agg(
+            F.min(
+                F.struct("ts_us", "node", "seq", "queue", "group_id", "group_seq", "producer")
+            ).alias("e")
+        )
+        .filter(col("e.producer").isNotNull() & col("e.group_id").isNotNull())
+    )
+    k = F.struct("owner_epoch", "ts_us", "node", "seq")
+    first = (
+        ev.filter(col("event") == "dispatched")
+        .groupBy("queue", "message_id")
+        .agg(F.min(k).alias("k"))
+    )
+    late = slots.filter(col("late") == 1).select("message_id").distinct()
+    msgs = (
+        first.join(entry, "message_id")
+        .filter(col("queue") == col("e.queue"))
+        .join(late, "message_id", "left_anti")
+        .select(
+            "queue",
+            "message_id",
+            "k",
+            col("e.group_id").alias("group_id"),
+            col("e.node").alias("entry_node"),
+            _boot(events, col("e.node"), col("e.seq")).alias("boot"),
+            col("e.producer").alias("producer"),
+            F.coalesce(col("e.group_seq"), F.lit(0)).alias("gseq"),
+            col("e.seq").alias("entry_seq"),
+        )
+    )
+    w_p = Window.partitionBy("queue", "group_id", "entry_node", "boot", "producer")
+    every = F.min((col("gseq") > 0).cast("int")).over(w_p) == 1
+    ordered = msgs.withColumn("ord", F.when(every, col("gseq")).otherwise(F.lit(0)))
+    # the later messages, as the rows before in descending order: a frame that grows
+    # (Spark computes it incrementally; one that shrinks to the end of a big group's
+    # partition is recomputed for every row)
+    w_later = w_p.orderBy(
+        col("ord").desc(), col("entry_seq").desc(), col("message_id").desc()
+    ).rowsBetween(Window.unboundedPreceding, -1)
+    found = ordered.withColumn(
+        "later", F.min(F.struct(col("k"), col("message_id").alias("mid"))).over(w_later)
+    ).filter(col("later.k") < col("k"))
+    return _finding(
+        "producer_order",
+        found,
+        node=col("k.node"),
+        first_ts_us=col("k.ts_us"),
+        seq=col("k.seq"),
+        producer=F.concat(col("entry_node"), F.lit("/"), col("producer")),
+        later_message_id=col("later.mid"),
+        last_node=col("later.k.node"),
+        last_seq=col("later.k.seq"),
+        last_ts_us=col("later.k.ts_us"),
+    )
+
+
+def _moves(events: DataFrame, ev: DataFrame) -> list[DataFrame]:
+    """Moves without a release (`amqbroker.pipeline.invariants`): a group's dispatches
+    and its ``unbound`` markers in one window per (queue, group) ordered by
+    (owner_epoch, ts_us, node, seq). Two findings: ``move_events`` (each move) and
+    ``moves`` (per queue, group, from node, to node)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    k = F.struct("owner_epoch", "ts_us", "node", "seq").alias("k")
+    both = (
+        ev.filter((col("event") == "dispatched") & col("group_id").isNotNull())
+        .select("queue", "group_id", "node", "message_id", k, F.lit(1).alias("is_d"))
+        .unionByName(
+            events.filter((col("event") == "unbound") & col("group_id").isNotNull()).select(
+                F.expr("substring(coalesce(queue, ''), instr(coalesce(queue, ''), '/') + 1)").alias(
+                    "queue"
+                ),
+                "group_id",
+                "node",
+                "message_id",
+                k,
+                F.lit(0).alias("is_d"),
+            )
+        )
+    )
+    w = Window.partitionBy("queue", "group_id").orderBy("k")
+    before = w.rowsBetween(Window.unboundedPreceding, -1)
+    moved = (
+        both.withColumn(
+            "u", F.sum(1 - col("is_d")).over(w.rowsBetween(Window.unboundedPreceding, 0))
+        )
+        .withColumn("from_node", F.last(F.when(col("is_d") == 1, col("node")), True).over(before))
+        .withColumn("from_u", F.last(F.when(col("is_d") == 1, col("u")), True).over(before))
+        .filter(
+            (col("is_d") == 1)
+            & col("from_node").isNotNull()
+            & (col("from_node") != col("node"))
+            & (col("u") == col("from_u"))
+        )
+    )
+    per_pair = moved.groupBy("queue", "group_id", "from_node", "node").agg(
+        F.count(F.lit(1)).alias("n"), F.min(F.struct("k", "message_id")).alias("first")
+    )
+    return [
+        _finding("move_events", moved, last_node=col("from_node"), seq=col("k.seq")),
+        _finding(
+            "moves",
+            per_pair,
+            last_node=col("from_node"),
+            message_id=col("first.message_id"),
+            seq=col("first.k.seq"),
+            first_ts_us=col("first.k.ts_us"),
+        ),
+    ]
 
 
 def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[str, Any]:
@@ -416,6 +596,7 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         first(terminal_settle, "ts_us").alias("settle_ts"),
         F.max((terminal_settle | ev_name.isin(*TERMINAL_EVENTS)).cast("int")).alias("resolved"),
         first(ev_name.isin("dead_lettered", "expired"), "seq").alias("dl_seq_slot"),
+        F.max(is_("late").cast("int")).alias("late"),
     )
     w_msg = Window.partitionBy("node", "message_id")
     last_ts = F.create_map(
@@ -424,6 +605,7 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
     grace_us = int(grace_s * 1_000_000)
     slots = (
         slots.withColumn("routed_on_node", F.max("n_routed").over(w_msg) > 0)
+        .withColumn("forwarded_here", F.max("n_forwarded").over(w_msg) > 0)
         .withColumn("recv_ts", F.min("received_ts").over(w_msg))
         .withColumn("dl_seq", F.min("dl_seq_slot").over(w_msg))
         .withColumn("arrival", F.coalesce(col("first_routed"), col("first_received")))
@@ -454,8 +636,10 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         Window.partitionBy(
             "node", "queue", "group_id", F.when(col("group_id").isNull(), col("message_id"))
         )
-        .orderBy("arrival", "message_id")
-        .rowsBetween(1, Window.unboundedFollowing)
+        # the later copies as the rows before in descending order: a growing frame
+        # (a shrinking one, (1, unboundedFollowing), costs O(n²) in a big group)
+        .orderBy(col("arrival").desc(), col("message_id").desc())
+        .rowsBetween(Window.unboundedPreceding, -1)
     )
     held = col("max_dispatch").isNotNull() & (
         col("max_close").isNull() | (col("max_close") < col("max_dispatch"))
@@ -468,19 +652,16 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
             "later_dispatch",
             F.when(col("group_id").isNotNull(), F.max("max_dispatch").over(w_later)),
         )
-        .filter((col("resolved") == 0) & ~col("parked") & ~col("pending"))
+        .filter(
+            (col("resolved") == 0)
+            & ~((col("n_routed") == 0) & col("forwarded_here"))
+            & ~col("parked")
+            & ~col("pending")
+        )
         .withColumn("queued", (col("n_routed") > 0) & ~held & ~skipped)
     )
 
-    def finding(kind: str, df: DataFrame, **cols: Column) -> DataFrame:
-        have = set(df.columns)
-        return df.select(
-            F.lit(kind).alias("kind"),
-            *[
-                (cols[c] if c in cols else col(c) if c in have else F.lit(None)).cast(t).alias(c)
-                for c, t in _FINDING_COLS
-            ],
-        )
+    finding = _finding
 
     parts = [
         finding(
@@ -598,6 +779,9 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         )
     )
     parts.append(finding("two_owners", episodes))
+    parts.append(finding("late", slots.filter(col("late") == 1), seq=col("arrival")))
+    parts.append(_producer_order(events, ev, slots))
+    parts += _moves(events, ev)
 
     found = parts[0]
     for p in parts[1:]:
@@ -640,6 +824,33 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         for x in two_owners["samples"]
     ]
     two_owners["moments"] = result_of("two_owner_moments")
+
+    producer_order = result_of("producer_order")
+    producer_order["samples"] = [
+        {
+            "queue": x.get("queue"),
+            "group_id": x.get("group_id"),
+            "producer": x.get("producer"),
+            "boot": x.get("boot"),
+            # the message dispatched too late, and the later one dispatched before it
+            "message": _first_dispatch(x["message_id"], x["node"], x["first_ts_us"]),
+            "later": _first_dispatch(x["later_message_id"], x["last_node"], x["last_ts_us"]),
+        }
+        for x in producer_order["samples"]
+    ]
+    moves = result_of("moves")
+    moves["moves"] = counts.get("move_events", 0)
+    moves["samples"] = [
+        {
+            "queue": x.get("queue"),
+            "group_id": x.get("group_id"),
+            "from": x.get("last_node"),
+            "to": x.get("node"),
+            "moves": x["n"],
+            "first": _first_dispatch(x.get("message_id"), x["node"], x["first_ts_us"]),
+        }
+        for x in moves["samples"]
+    ]
 
     # 2 actions: latency percentiles and totals; histograms of both latencies
     pct = F.array(*[F.lit(p) for p in PERCENTILES])
@@ -734,10 +945,15 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
 
     # 2 actions: group sizes, worst groups
     bad = (
-        found.filter(col("kind").isin("order_violations", "two_owners", "two_owner_moments"))
+        found.filter(
+            col("kind").isin(
+                "order_violations", "producer_order", "two_owners", "two_owner_moments"
+            )
+        )
         .groupBy("queue", "group_id")
         .agg(
             F.sum((col("kind") == "order_violations").cast("long")).alias("order_violations"),
+            F.sum((col("kind") == "producer_order").cast("long")).alias("producer_order"),
             F.sum((col("kind") == "two_owners").cast("long")).alias("two_owner_episodes"),
             F.sum((col("kind") == "two_owner_moments").cast("long")).alias("two_owner_moments"),
         )
@@ -752,7 +968,9 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
             (F.sum("n_dispatched") - F.count("first_dispatch")).alias("redeliveries"),
         )
         .join(bad, ["queue", "group_id"], "left")
-        .fillna(0, ["order_violations", "two_owner_episodes", "two_owner_moments"])
+        .fillna(
+            0, ["order_violations", "producer_order", "two_owner_episodes", "two_owner_moments"]
+        )
         .cache()
     )
     size_hist = (
@@ -766,7 +984,7 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         "size_histogram": [[2 ** r["b"], 2 ** (r["b"] + 1), r["count"]] for r in size_hist],
         "worst": _rows(
             per_group.orderBy(
-                (col("order_violations") + col("two_owner_moments")).desc(),
+                (col("order_violations") + col("producer_order") + col("two_owner_moments")).desc(),
                 col("p99_settle_us").desc_nulls_last(),
                 "queue",
                 "group_id",
@@ -794,14 +1012,22 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
             "parked": lat_row["parked"] or 0,
             "pending": lat_row["pending"] or 0,
             "still_queued": counts.get("still_queued", 0),
+            "late": counts.get("late", 0),
         },
         "nodes": dict(sorted(nodes.items())),
         "invariants": {
-            name: two_owners if name == "two_owners" else result_of(name) for name in INVARIANTS
+            name: two_owners
+            if name == "two_owners"
+            else producer_order
+            if name == "producer_order"
+            else result_of(name)
+            for name in INVARIANTS
         },
         "info": {
             "unrouted": result_of("unrouted"),
             "still_queued": result_of("still_queued"),
+            "moves": moves,
+            "late": result_of("late"),
             "seq_gaps": seq_gaps,
         },
         "latency": latency,

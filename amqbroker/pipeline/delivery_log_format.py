@@ -42,10 +42,31 @@ owner_epoch        int64      epoch of the group's owner (0 on a single node)
 delivery_count     int32|null failed delivery attempts before this event
 =================  =========  ===========================================================
 
+Markers (``started``, ``unbound``: no message-id, about a node or a group) and ``late``:
+
+* ``started``: the first record of each boot of the node (the writer's `open`): the
+  node restarted here. Connection ids (``c1``, ``c2``...) start again at each boot, so
+  a producer is identified by (node, boot, ``producer``), the boot being the number of
+  ``started`` records at or before the record's ``seq``. Logs written before this
+  marker existed have none: everything is boot 0.
+* ``unbound``: the grouping arbiter released a group's binding (`ClusterNode._unbind`:
+  its node was lost under ``cluster_node_loss_policy = "move"``, the group expired,
+  its queue instance was deleted or had no consumer for
+  ``grouping_consumerless_timeout``, or the binding was force-removed): ``queue`` =
+  "<node>/<queue>" of the released instance, ``group_id`` the group, on the arbiter's
+  log. The group may then move to another queue instance; a move without one is
+  reported by the audit.
+* ``late``: under the ``move`` node-loss policy a node that comes back forwards the
+  stranded messages of groups that moved while it was lost to the group's current
+  owner; each such message gets ``late`` in the queue it leaves (``queue`` = that
+  queue, with its message-id and group: terminal for that copy), followed by its
+  ``forwarded`` record (`ClusterNode._deliver_to`). The audit reports those messages
+  as delivered late after a node loss, not as order violations.
+
 Per message and queue: ``routed``, then any number of (``dispatched`` then
 ``settled`` released/modified, or ``released``), then one terminal event:
 ``settled`` accepted or rejected (followed by ``dead_lettered``), ``expired``, or
-``dead_lettered`` (out of delivery attempts). A presettled consumer's delivery is
+``dead_lettered`` (out of delivery attempts), or ``late``. A presettled consumer's delivery is
 ``dispatched`` + ``settled`` accepted. Not logged: messages removed by a purge or a
 queue deletion, and duplicates dropped by duplicate detection (no ``received``).
 
@@ -69,7 +90,14 @@ EVENTS: Final = (
     "released",
     "expired",
     "dead_lettered",
+    "started",
+    "unbound",
+    "late",
 )
+
+#: the events that mark what happened to a node or a group rather than to a message
+#: (no message-id): the audit reads them as context, never as a message's life
+MARKERS: Final = ("started", "unbound")
 
 #: settled outcomes
 OUTCOMES: Final = ("accepted", "rejected", "released", "modified")

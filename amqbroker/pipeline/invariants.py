@@ -8,7 +8,8 @@ Vocabulary
 ----------
 slot
     ``(node, queue, message_id)``: the life of one message in one queue instance of one
-    node. Events without a message-id are ignored (they cannot be correlated).
+    node. Events without a message-id are ignored (they cannot be correlated), except
+    the markers ``started`` and ``unbound``.
 copy
     a slot that a message arrived in: it has a ``routed`` event, or it is the
     ``received`` slot (queue = the target address) of a message with no ``routed``
@@ -17,18 +18,53 @@ copy
     message-id on that node.
 resolved
     a copy with a terminal event: ``settled`` with outcome accepted or rejected,
-    ``expired``, ``dead_lettered`` or ``forwarded``.
+    ``expired``, ``dead_lettered``, ``forwarded`` or ``late``; or a received copy of a
+    message this node forwarded (it left for another node's queue instance).
 parked
     a copy routed after the message was dead-lettered or expired on the same node
     (the copy in the dead-letter or expiry queue): it may rest there, never lost.
 pending
     a copy that arrived within `grace_us` of its node's last event (still in flight
     when the log was taken).
+held
+    a copy whose last ``dispatched`` has no later ``settled`` or ``released`` (by
+    ``seq``): a consumer holds it and its outcome is missing.
+skipped
+    a grouped copy such that a copy of its group in the same queue instance that
+    arrived later (by arrival, then message-id) was dispatched (its last dispatch)
+    after this one arrived and after its last settle/release: the group's messages go
+    out in order, so this one was passed over.
+K (cross-node order)
+    events of different nodes are ordered by ``(owner_epoch, ts_us, node, seq)``. An
+    owner change through an arbiter failover bumps the epoch, so the events of the new
+    owner sort after those of the old one whatever the clocks say. Within one epoch the
+    nodes' clocks decide: clock skew ``s`` between two nodes can invent a cross-node
+    finding between events less than ``s`` apart, or hide one. The cross-node findings
+    a node loss causes are seconds apart (``cluster_node_timeout``, a restart), far
+    above the skew of NTP-synchronised clocks (milliseconds); on one node (epoch 0,
+    one clock) ``ts_us`` follows ``seq`` unless the wall clock steps back.
+producer
+    the identity of a message's sender across nodes: ``(entry node, boot, producer)``
+    of its *entry* ``received`` event: the first (by ``ts_us``, node, seq) ``received``
+    of its message-id on a node it was not forwarded to (a ``forwarded`` record's
+    queue ``"<node>/<queue>"`` names the node; forwarded copies keep the original
+    message-id, so the target node's events join back). ``producer`` is the
+    ``"<connection id>/<link name>"`` of that record; *boot* is the number of
+    ``started`` markers of the entry node at or before its ``seq`` (connection ids
+    start again at each boot). Shown as ``"<entry node>/<producer>"`` with the boot.
+order key
+    per (queue, group, producer): ``group_seq`` of the entry ``received`` when every
+    message of that (queue, group, producer) has one (> 0: 0 is "not set", -1 closes
+    the group), then the entry ``seq``; otherwise the entry ``seq`` alone (the order in
+    which the entry node received them from that link).
+late
+    a message with a ``late`` event (policy ``move``: a stranded message forwarded
+    after a node loss, delivered after newer ones on purpose).
 
-Checks (the first five are invariants: any finding fails the audit)
--------------------------------------------------------------------
+Checks (the first six are invariants: any finding fails the audit)
+------------------------------------------------------------------
 lost
-    routed copies, neither resolved, parked nor pending.
+    routed copies, neither resolved, parked, pending nor still queued.
 duplicate_after_settle
     slots with a ``dispatched`` event after (per-node ``seq``) their first ``settled``
     accepted: a message delivered again after the consumer accepted it.
@@ -39,16 +75,46 @@ order_violations
     per queue instance ``(node, queue)`` and group: copies ordered by arrival; a copy
     whose first ``dispatched`` comes (by ``seq``) before the first dispatch of a copy of
     the group that arrived earlier. Copies never dispatched are not compared.
+producer_order
+    per (queue, group, producer) across all nodes: the messages ordered by their order
+    key; a message whose first ``dispatched`` in that queue (on whichever node, by K)
+    comes after the first dispatch of a message later in that order is a violation
+    (reported with the earliest-dispatched such later message: the two messages, the
+    nodes and times of their first dispatches). Only dispatches in the queue named by
+    the entry ``received`` (the anycast queue of the target address) count: topic
+    subscriptions, dead-letter and expiry queues are left to ``order_violations``.
+    Messages never dispatched there, without a producer or a group, and late messages
+    are not compared.
 two_owners
     per ``(queue, group)`` over all nodes: each ``dispatched`` opens a delivery that
-    the next ``settled`` or ``released`` of its slot closes. A dispatch to consumer B
-    while a delivery of the group to another consumer A is open is a moment with two
-    owners. Events are ordered by ``(owner_epoch, ts_us, node, seq)``: an owner change
-    between nodes bumps the epoch, so clock skew between nodes cannot hide or invent an
-    overlap; on one node (epoch 0) this is time, then ``seq``.
+    the next ``settled`` or ``released`` of its slot closes; the deliveries' endpoints
+    (+1 at the dispatch, -1 at the close) are ordered by (K, dispatch seq). A
+    *moment*: a dispatch while deliveries of the group to other consumers are open.
+    The *owners* at an endpoint: the consumers holding an open delivery. An *episode*
+    runs from the endpoint where the owners reach 2 until they drop below 2; every
+    moment falls in one. The invariant counts episodes, each with its moments and
+    first and last moment.
 unrouted (informational)
-    received copies never routed on that node: a rolled-back transactional send, a
-    topic without subscribers, or a loss before routing.
+    received copies never routed on that node and not resolved: a rolled-back
+    transactional send, a topic without subscribers, or a loss before routing.
+still_queued (informational)
+    routed copies, not resolved, parked, pending, held nor skipped: the backlog the
+    log ended with.
+moves (informational)
+    per (queue, group): its ``dispatched`` events and the arbiter's ``unbound``
+    markers of the group (``queue`` ``"<node>/<queue>"``), ordered by K; a dispatch on
+    another node than the group's previous dispatch, with no ``unbound`` of the group
+    between the two, is a move without a release. Counted per (queue, group, from
+    node, to node), with the number of such moves. Informational, not an invariant:
+    logs written before the marker existed have none, a record dropped by the log
+    (seq gaps) can hide one, ``grouping_timeout_policy = "ungrouped"`` routes a
+    group's message anywhere on purpose, and the harm a move does (messages consumed
+    out of order) is what ``producer_order`` and ``two_owners`` fail on; a move
+    without those is a warning worth reading (a returning node serving a group bound
+    elsewhere). A node restart (``started``) does not explain a move: under the
+    default node-loss policy ``wait`` a lost node keeps its groups.
+late (informational)
+    slots with a ``late`` event: delivered late after a node loss (policy ``move``).
 seq_gaps (informational)
     per node, ``max(seq) - min(seq) + 1 - count``: records dropped by the log
     (``delivery_log_overflow = drop``) or lost in a crash; the findings may then
@@ -57,6 +123,7 @@ seq_gaps (informational)
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -65,14 +132,34 @@ from typing import Any
 #: outcomes of a ``settled`` event that end a message's life in its queue
 TERMINAL_OUTCOMES = frozenset({"accepted", "rejected"})
 #: events that end a message's life in its queue (with `TERMINAL_OUTCOMES` settles)
-TERMINAL_EVENTS = frozenset({"expired", "dead_lettered", "forwarded"})
+TERMINAL_EVENTS = frozenset({"expired", "dead_lettered", "forwarded", "late"})
 #: events that close a delivery (for the two-owners check)
 CLOSING_EVENTS = frozenset({"settled", "released"})
 
 #: the checks whose findings fail the audit
-INVARIANTS = ("lost", "duplicate_after_settle", "received_twice", "order_violations", "two_owners")
+INVARIANTS = (
+    "lost",
+    "duplicate_after_settle",
+    "received_twice",
+    "order_violations",
+    "producer_order",
+    "two_owners",
+)
+#: the informational findings (listed, counted, never a failure)
+INFO = ("unrouted", "still_queued", "moves", "late")
 
 Slot = tuple[str, str, str]
+#: cross-node order: (owner_epoch, ts_us, node, seq)
+Key = tuple[int, int, str, int]
+
+
+def order_key(r: Mapping[str, Any]) -> Key:
+    return (r["owner_epoch"], r["ts_us"], r["node"], r["seq"])
+
+
+def target_node(forwarded_queue: str | None) -> str:
+    """The node a ``forwarded`` record's queue ``"<node>/<queue>"`` names."""
+    return (forwarded_queue or "").split("/", 1)[0]
 
 
 @dataclass
@@ -85,9 +172,19 @@ class Findings:
     received_twice: list[tuple[str, int]] = field(default_factory=list)
     #: (node, queue, group_id, message_id) of the copy dispatched too early
     order_violations: list[tuple[str, str, str, str]] = field(default_factory=list)
-    #: (queue, group_id, node, seq, consumer) of the dispatch to the second owner
-    two_owners: list[tuple[str, str, str, int, str]] = field(default_factory=list)
+    #: (queue, group_id, "<entry node>/<producer>", boot, message_id dispatched too
+    #: late, the later message_id first dispatched before it)
+    producer_order: list[tuple[str, str, str, int, str, str]] = field(default_factory=list)
+    #: episodes: (queue, group_id, node, seq, consumer, moments) of the first moment
+    two_owners: list[tuple[str, str, str, int, str, int]] = field(default_factory=list)
+    #: (queue, group_id, node, seq, consumer) of each dispatch to a second owner
+    two_owner_moments: list[tuple[str, str, str, int, str]] = field(default_factory=list)
     unrouted: list[Slot] = field(default_factory=list)
+    still_queued: list[Slot] = field(default_factory=list)
+    #: (queue, group_id, from node, to node, moves) without an ``unbound`` between
+    moves: list[tuple[str, str, str, str, int]] = field(default_factory=list)
+    #: slots with a ``late`` event
+    late: list[Slot] = field(default_factory=list)
     #: node -> missing sequence numbers
     seq_gaps: dict[str, int] = field(default_factory=dict)
 
@@ -96,7 +193,7 @@ class Findings:
         return not any(getattr(self, name) for name in INVARIANTS)
 
     def counts(self) -> dict[str, int]:
-        return {name: len(getattr(self, name)) for name in (*INVARIANTS, "unrouted")} | {
+        return {name: len(getattr(self, name)) for name in (*INVARIANTS, *INFO)} | {
             "seq_gaps": sum(self.seq_gaps.values())
         }
 
@@ -109,9 +206,17 @@ class _Slot:
     arrival_ts: int | None = None
     first_dispatch: int | None = None
     max_dispatch: int | None = None
+    max_close: int | None = None
     first_accept: int | None = None
     resolved: bool = False
+    late: bool = False
     group_id: str | None = None
+
+    @property
+    def arrival(self) -> int:
+        a = self.first_routed if self.first_routed is not None else self.first_received
+        assert a is not None
+        return a
 
 
 def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
@@ -131,10 +236,10 @@ def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
             f.seq_gaps[node] = gap
 
     slots: dict[Slot, _Slot] = defaultdict(_Slot)
-    # (node, mid) -> first received ts, first dead-letter/expiry seq, routed anywhere
-    recv_ts: dict[tuple[str, str], int] = {}
+    # (node, mid) -> first dead-letter/expiry seq; routed there; forwarded from there
     dl_seq: dict[tuple[str, str], int] = {}
     routed_on: set[tuple[str, str]] = set()
+    forwarded_from: set[tuple[str, str]] = set()
     received: dict[str, int] = defaultdict(int)
     forwarded: dict[str, int] = defaultdict(int)
     for r in recs:
@@ -147,7 +252,6 @@ def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
             s.group_id = r["group_id"]
         if ev == "received":
             received[mid] += 1
-            recv_ts.setdefault((node, mid), r["ts_us"])
             if s.first_received is None:
                 s.first_received = seq
                 if s.first_routed is None:
@@ -167,10 +271,15 @@ def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
                 s.resolved = True
             if r["outcome"] == "accepted" and s.first_accept is None:
                 s.first_accept = seq
+        if ev in CLOSING_EVENTS:
+            s.max_close = seq
         if ev in TERMINAL_EVENTS:
             s.resolved = True
+        if ev == "late":
+            s.late = True
         if ev == "forwarded":
             forwarded[mid] += 1
+            forwarded_from.add((node, mid))
         if ev in ("dead_lettered", "expired"):
             dl_seq.setdefault((node, mid), seq)
 
@@ -180,15 +289,42 @@ def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
         accepted, last = s.first_accept, s.max_dispatch
         if accepted is not None and last is not None and last > accepted:
             f.duplicate_after_settle.append(key)
+        if s.late:
+            f.late.append(key)
         if s.n_routed or (s.first_received is not None and (node, mid) not in routed_on):
             copies[key] = s
-            arrival = s.first_routed if s.first_routed is not None else s.first_received
-            assert arrival is not None
-            pending = grace_us > 0 and (s.arrival_ts or 0) > last_ts[node] - grace_us
-            d = dl_seq.get((node, mid))
-            parked = s.n_routed > 0 and d is not None and arrival > d
-            if not (s.resolved or parked or pending):
-                (f.lost if s.n_routed else f.unrouted).append(key)
+
+    # later copies of a group in a queue instance: the highest last dispatch after each
+    later_dispatch: dict[Slot, int | None] = {}
+    instance: dict[tuple[str, str, str], list[tuple[int, str, Slot]]] = defaultdict(list)
+    for key, s in copies.items():
+        if s.group_id is not None:
+            instance[(key[0], key[1], s.group_id)].append((s.arrival, key[2], key))
+    for members in instance.values():
+        members.sort()
+        high: int | None = None
+        for _, _, key in reversed(members):
+            later_dispatch[key] = high
+            d = copies[key].max_dispatch
+            if d is not None:
+                high = d if high is None else max(high, d)
+
+    for key, s in copies.items():
+        node, queue, mid = key
+        resolved = s.resolved or (s.n_routed == 0 and (node, mid) in forwarded_from)
+        pending = grace_us > 0 and (s.arrival_ts or 0) > last_ts[node] - grace_us
+        d = dl_seq.get((node, mid))
+        parked = s.n_routed > 0 and d is not None and s.arrival > d
+        if resolved or parked or pending:
+            continue
+        if not s.n_routed:
+            f.unrouted.append(key)
+            continue
+        held = s.max_dispatch is not None and (s.max_close is None or s.max_close < s.max_dispatch)
+        later = later_dispatch.get(key)
+        since = s.arrival if s.max_close is None else max(s.arrival, s.max_close)
+        skipped = later is not None and later > since
+        (f.lost if held or skipped else f.still_queued).append(key)
 
     for mid, n in received.items():
         if n > forwarded[mid] + 1:
@@ -198,31 +334,91 @@ def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
     groups: dict[tuple[str, str, str], list[tuple[int, str, int]]] = defaultdict(list)
     for (node, queue, mid), s in copies.items():
         if s.group_id is not None and s.first_dispatch is not None:
-            arrival = s.first_routed if s.first_routed is not None else s.first_received
-            assert arrival is not None
-            groups[(node, queue, s.group_id)].append((arrival, mid, s.first_dispatch))
+            groups[(node, queue, s.group_id)].append((s.arrival, mid, s.first_dispatch))
     for (node, queue, gid), items in groups.items():
         items.sort()
-        high: int | None = None
+        top: int | None = None
         for _, mid, first in items:
-            if high is not None and first < high:
+            if top is not None and first < top:
                 f.order_violations.append((node, queue, gid, mid))
-            high = first if high is None else max(high, first)
+            top = first if top is None else max(top, first)
 
-    f.two_owners = _two_owners(recs)
-    for name in (*INVARIANTS, "unrouted"):
+    f.producer_order = _producer_order(recs, {k[2] for k in f.late})
+    f.two_owners, f.two_owner_moments = _two_owners(recs)
+    f.moves = _moves(recs)
+    for name in (*INVARIANTS, *INFO, "two_owner_moments"):
         getattr(f, name).sort()
     return f
 
 
-def _two_owners(recs: list[Mapping[str, Any]]) -> list[tuple[str, str, str, int, str]]:
-    def key(r: Mapping[str, Any]) -> tuple[int, int, str, int]:
-        return (r["owner_epoch"], r["ts_us"], r["node"], r["seq"])
+def boots(recs: Iterable[Mapping[str, Any]]) -> dict[str, list[int]]:
+    """Per node, the sorted seqs of its ``started`` markers."""
+    out: dict[str, list[int]] = defaultdict(list)
+    for r in recs:
+        if r["event"] == "started":
+            out[r["node"]].append(r["seq"])
+    for seqs in out.values():
+        seqs.sort()
+    return out
 
+
+def _producer_order(
+    recs: list[Mapping[str, Any]], late: set[str]
+) -> list[tuple[str, str, str, int, str, str]]:
+    inbound: dict[str, set[str]] = defaultdict(set)
+    for r in recs:
+        if r["event"] == "forwarded" and r["message_id"] is not None:
+            inbound[r["message_id"]].add(target_node(r["queue"]))
+    starts = boots(recs)
+    # message-id -> entry received (ts_us, node, seq), its record
+    entry: dict[str, tuple[tuple[int, str, int], Mapping[str, Any]]] = {}
+    first: dict[tuple[str, str], Key] = {}
+    for r in recs:
+        mid = r["message_id"]
+        if mid is None:
+            continue
+        if r["event"] == "received" and r["node"] not in inbound.get(mid, ()):
+            at = (r["ts_us"], r["node"], r["seq"])
+            if mid not in entry or at < entry[mid][0]:
+                entry[mid] = (at, r)
+        elif r["event"] == "dispatched":
+            k, q = order_key(r), (r["queue"] or "", mid)
+            if q not in first or k < first[q]:
+                first[q] = k
+    parts: dict[tuple[str, str, str, int, str], list[tuple[int, int, str, Key]]] = defaultdict(list)
+    for (queue, mid), k in first.items():
+        e = entry.get(mid)
+        if e is None or mid in late:
+            continue
+        r = e[1]
+        if r["producer"] is None or r["group_id"] is None or (r["queue"] or "") != queue:
+            continue
+        boot = bisect.bisect_right(starts.get(r["node"], []), r["seq"])
+        gseq = r["group_seq"] if r["group_seq"] is not None else 0
+        parts[(queue, r["group_id"], r["node"], boot, r["producer"])].append(
+            (gseq, r["seq"], mid, k)
+        )
+    found = []
+    for (queue, gid, node, boot, producer), items in parts.items():
+        every = all(g > 0 for g, *_ in items)
+        items.sort(key=lambda x: (x[0] if every else 0, x[1], x[2]))
+        best: tuple[Key, str] | None = None  # earliest first dispatch of a later message
+        for _, _, mid, k in reversed(items):
+            if best is not None and best[0] < k:
+                found.append((queue, gid, f"{node}/{producer}", boot, mid, best[1]))
+            if best is None or k < best[0]:
+                best = (k, mid)
+    return found
+
+
+def _two_owners(
+    recs: list[Mapping[str, Any]],
+) -> tuple[list[tuple[str, str, str, int, str, int]], list[tuple[str, str, str, int, str]]]:
     # pair each dispatch with the next closing event of its slot (recs: node, seq order)
     open_by_slot: dict[Slot, list[Mapping[str, Any]]] = defaultdict(list)
-    intervals: dict[tuple[str, str], list[tuple[Any, Any, str, Mapping[str, Any]]]] = defaultdict(
-        list
+    # (queue, group) -> endpoints ((K, dispatch seq), delta, consumer, dispatch)
+    ends: dict[tuple[str, str], list[tuple[tuple[Key, int], int, str, Mapping[str, Any]]]] = (
+        defaultdict(list)
     )
     for r in recs:
         if r["group_id"] is None or r["message_id"] is None:
@@ -230,21 +426,70 @@ def _two_owners(recs: list[Mapping[str, Any]]) -> list[tuple[str, str, str, int,
         slot = (r["node"], r["queue"] or "", r["message_id"])
         if r["event"] == "dispatched":
             open_by_slot[slot].append(r)
+            ends[(slot[1], r["group_id"])].append(
+                ((order_key(r), r["seq"]), 1, r["consumer"] or "", r)
+            )
         elif r["event"] in CLOSING_EVENTS:
             for d in open_by_slot.pop(slot, []):
-                intervals[(d["queue"] or "", d["group_id"])].append(
-                    (key(d), key(r), d["consumer"] or "", d)
+                ends[(slot[1], d["group_id"])].append(
+                    ((order_key(r), d["seq"]), -1, d["consumer"] or "", d)
                 )
-    for opened in open_by_slot.values():
-        for d in opened:
-            intervals[(d["queue"] or "", d["group_id"])].append(
-                (key(d), None, d["consumer"] or "", d)
-            )
-    found = []
-    for (queue, gid), ivs in intervals.items():
-        for start, _, consumer, d in ivs:
-            for s2, e2, c2, _ in ivs:
-                if c2 != consumer and s2 < start and (e2 is None or e2 > start):
-                    found.append((queue, gid, d["node"], d["seq"], consumer))
-                    break
-    return found
+    episodes = []
+    moments = []
+    for (queue, gid), items in ends.items():
+        items.sort(key=lambda x: x[0])
+        open_all = 0
+        mine: dict[str, int] = defaultdict(int)
+        owners = 0
+        episode: list[tuple[Key, Mapping[str, Any]]] = []
+        for k, delta, consumer, d in items:
+            before = owners
+            if delta == 1 and open_all - mine[consumer] > 0:
+                moments.append((queue, gid, d["node"], d["seq"], consumer))
+                episode.append((k[0], d))
+            if delta == 1 and mine[consumer] == 0:
+                owners += 1
+            elif delta == -1 and mine[consumer] == 1:
+                owners -= 1
+            open_all += delta
+            mine[consumer] += delta
+            if before >= 2 and owners < 2 and episode:
+                episodes.append(_episode(queue, gid, episode))
+                episode = []
+        if episode:
+            episodes.append(_episode(queue, gid, episode))
+    return episodes, moments
+
+
+def _episode(
+    queue: str, gid: str, moments: list[tuple[Key, Mapping[str, Any]]]
+) -> tuple[str, str, str, int, str, int]:
+    d = min(moments, key=lambda m: m[0])[1]
+    return (queue, gid, d["node"], d["seq"], d["consumer"] or "", len(moments))
+
+
+def _moves(recs: list[Mapping[str, Any]]) -> list[tuple[str, str, str, str, int]]:
+    # (queue, group) -> (K, is dispatch, node)
+    events: dict[tuple[str, str], list[tuple[Key, bool, str]]] = defaultdict(list)
+    for r in recs:
+        gid = r["group_id"]
+        if gid is None:
+            continue
+        if r["event"] == "dispatched" and r["message_id"] is not None:
+            events[(r["queue"] or "", gid)].append((order_key(r), True, r["node"]))
+        elif r["event"] == "unbound":
+            queue = (r["queue"] or "").split("/", 1)[-1]
+            events[(queue, gid)].append((order_key(r), False, r["node"]))
+    moves: dict[tuple[str, str, str, str], int] = defaultdict(int)
+    for (queue, gid), items in events.items():
+        items.sort()
+        prev: str | None = None
+        released = False
+        for _, dispatch, node in items:
+            if not dispatch:
+                released = True
+                continue
+            if prev is not None and prev != node and not released:
+                moves[(queue, gid, prev, node)] += 1
+            prev, released = node, False
+    return [(*k, n) for k, n in moves.items()]

@@ -21,10 +21,15 @@ TITLES = {
     "duplicate_after_settle": "dispatched again after an accepted settle",
     "received_twice": "received twice with the same message-id",
     "order_violations": "group order violations (first dispatch out of arrival order)",
+    "producer_order": "group order violations per producer across nodes "
+    "(first dispatched after a later message)",
     "two_owners": "episodes a group had two owners",
 }
 #: the state of an unresolved copy at the end of the log that is not a finding
 STILL_QUEUED = "still queued at end of log (a backlog, not lost)"
+#: informational: messages forwarded late on purpose, groups moved without a release
+LATE = "delivered late after a node loss (policy move)"
+MOVES = "groups moved to another node without a release (no node loss or unbind logged)"
 
 
 def _count(r: dict[str, Any], name: str) -> str:
@@ -38,8 +43,44 @@ def _count(r: dict[str, Any], name: str) -> str:
 
 def _examples(r: dict[str, Any], name: str) -> str:
     f = r["invariants"][name]
-    show = _episode if name == "two_owners" else _sample
+    show = {"two_owners": _episode, "producer_order": _overtaken}.get(name, _sample)
     return "; ".join(show(x) for x in f["samples"][:3]) or "-"
+
+
+def _at(d: dict[str, Any]) -> str:
+    return f"{d['message_id']} on {d['node']} at {d['time']}"
+
+
+def _overtaken(x: dict[str, Any]) -> str:
+    """A producer-order violation: the message first dispatched after a later one."""
+    boot = f" (boot {x['boot']})" if x.get("boot") else ""
+    return (
+        f"queue={x['queue']}, group={x['group_id']}, producer={x['producer']}{boot}: "
+        f"{_at(x['message'])}, after the later {_at(x['later'])}"
+    )
+
+
+def _move(x: dict[str, Any]) -> str:
+    return (
+        f"queue={x['queue']}, group={x['group_id']}: {x['from']} -> {x['to']} "
+        f"{x['moves']:,} time(s), first {_at(x['first'])}"
+    )
+
+
+def _info(r: dict[str, Any]) -> list[list[Any]]:
+    """(what, count, examples) of the informational findings that have a title."""
+    info = r["info"]
+    rows = []
+    if "moves" in info:
+        m = info["moves"]
+        count = f"{m['count']:,}" + (f" ({m['moves']:,} moves)" if m["count"] else "")
+        rows.append([MOVES, count, "; ".join(_move(x) for x in m["samples"][:3]) or "-"])
+    if "late" in info:
+        f = info["late"]
+        rows.append(
+            [LATE, f"{f['count']:,}", "; ".join(_sample(x) for x in f["samples"][:3]) or "-"]
+        )
+    return rows
 
 
 def _episode(x: dict[str, Any]) -> str:
@@ -78,6 +119,7 @@ def _state_rows(r: dict[str, Any]) -> list[list[Any]]:
         [STILL_QUEUED, t["still_queued"]],
         [f"in flight (arrived in a node's last {r['grace_s']} s, --grace)", t["pending"]],
         ["parked in a dead-letter/expiry queue", t["parked"]],
+        [f"{LATE}: forwarded to the group's owner", t.get("late", 0)],
     ]
 
 
@@ -106,6 +148,8 @@ def summary(r: dict[str, Any]) -> str:
         c = r["invariants"][name]["count"]
         lines.append(f"  {'FAIL' if c else 'ok  '} {TITLES[name]}: {_count(r, name)}")
     lines.append(f"  info {STILL_QUEUED}: {t['still_queued']:,}")
+    for what, count, _ in _info(r):
+        lines.append(f"  info {what}: {count}")
     for name, lat in r["latency"].items():
         p = lat["percentiles_us"]
         lines.append(
@@ -129,6 +173,7 @@ _WORST_HEADER = [
     "max",
     "redeliveries",
     "order violations",
+    "producer order",
     "two-owner episodes",
     "two-owner moments",
 ]
@@ -145,6 +190,7 @@ def _worst_row(g: dict[str, Any], *, thousands: bool) -> list[Any]:
         _us(g["max_settle_us"]),
         g["redeliveries"],
         g["order_violations"],
+        g.get("producer_order", 0),
         g.get("two_owner_episodes", 0),
         g["two_owner_moments"],
     ]
@@ -182,6 +228,7 @@ def markdown(r: dict[str, Any]) -> str:
         "(rolled-back transactions, topics without subscribers); seq gaps "
         f"{r['info']['seq_gaps'] or 'none'}.",
         "",
+        *([_table(["informational", "count", "examples"], _info(r)), ""] if _info(r) else []),
         "## Events",
         "",
         _table(["event", "count"], [[name, f"{n:,}"] for name, n in _event_rows(r)]),
@@ -391,6 +438,7 @@ def html(r: dict[str, Any]) -> str:
 <p class="muted">Informational: {r["info"]["unrouted"]["count"]:,} received but never routed
 (rolled-back transactions, topics without subscribers); seq gaps
 {e(str(r["info"]["seq_gaps"] or "none"))}.</p>
+{table(["informational", "count", "examples"], _info(r)) if _info(r) else ""}
 <h2>Events</h2>
 {table(["event", "count"], _event_rows(r))}
 <h2>Messages not resolved at the end of the log</h2>
@@ -398,7 +446,7 @@ def html(r: dict[str, Any]) -> str:
         table(
             ["state", "copies"],
             _state_rows(r),
-            [r["invariants"]["lost"]["count"] > 0, False, False, False],
+            [r["invariants"]["lost"]["count"] > 0, False, False, False, False],
         )
     }
 <p class="muted">Still queued, examples: {e(still)}</p>
@@ -422,7 +470,10 @@ def html(r: dict[str, Any]) -> str:
         table(
             _WORST_HEADER,
             [_worst_row(g, thousands=False) for g in worst],
-            [bool(g["order_violations"] or g["two_owner_moments"]) for g in worst],
+            [
+                bool(g["order_violations"] or g.get("producer_order") or g["two_owner_moments"])
+                for g in worst
+            ],
         )
     }
 </body></html>

@@ -23,6 +23,9 @@ every record and stops granting credit to producers (`ProducerLink._top_up` asks
 (credit granted before, dispatches, settlements) are still appended, so the buffer
 may pass its bound by what the producers' windows allow.
 
+Markers: `open` buffers a ``started`` record (each boot of the node), `marker` an
+``unbound`` one from the cluster arbiter (`amqbroker.pipeline.delivery_log_format`).
+
 Invariants: `seq` strictly increases per node, across files and restarts (`open`
 continues after the newest closed file); a file is renamed from ``.inprogress`` only
 once complete; a crash loses the ``.inprogress`` Parquet file (no footer) and keeps
@@ -42,7 +45,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from amqbroker.core.delivery_log import BlockedProducer
+from amqbroker.core.delivery_log import STARTED, BlockedProducer
 from amqbroker.pipeline import delivery_log_format as fmt
 
 if TYPE_CHECKING:
@@ -57,7 +60,8 @@ _EPOCH_HISTORY = 64
 _INT32_MAX = (1 << 31) - 1
 
 #: one buffered event: seq, time (epoch s), event code, queue, message-id, producer,
-#: group id, group seq, consumer, outcome, delivery count
+#: group id, group seq, consumer, outcome, delivery count (markers: group seq and
+#: delivery count None)
 Row = tuple[
     int,
     float,
@@ -66,10 +70,10 @@ Row = tuple[
     str | None,
     str | None,
     str | None,
-    int,
+    int | None,
     str | None,
     str | None,
-    int,
+    int | None,
 ]
 
 
@@ -150,6 +154,12 @@ class DeliveryLogWriter:
         for p in closed[-1:] + sorted(others)[-1:]:
             last = max(last, _last_seq(p))
         self._seq = last
+        # the boot marker: the audit tells a restarted node's producers (connection ids
+        # start again at c1) from those of its previous life
+        self._seq += 1
+        self._buf.append(
+            (self._seq, self._clock(), STARTED, None, None, None, None, None, None, None, None)
+        )
         if self.format == "parquet":
             import pyarrow as pa
 
@@ -235,6 +245,14 @@ class DeliveryLogWriter:
         )
         if n == self.take_at and self._wake is not None:
             self._wake()
+
+    def marker(self, event: int, queue: str, group_id: str) -> None:
+        """A marker about a group (`amqbroker.core.delivery_log.UNBOUND`); rare, so
+        never dropped for a full buffer."""
+        self._seq += 1
+        self._buf.append(
+            (self._seq, self._clock(), event, queue, None, None, group_id, None, None, None, None)
+        )
 
     def set_owner_epoch(self, epoch: int) -> None:
         """Records from the next event on carry this owner epoch (the cluster calls
@@ -455,7 +473,7 @@ class DeliveryLogWriter:
                         "message_id": mid,
                         "group_id": gid,
                         "group_seq": None
-                        if gid is None
+                        if gid is None or gseq is None
                         else (gseq if _INT32_MIN <= gseq <= _INT32_MAX else -1),
                         "producer": producer,
                         "consumer": consumer,

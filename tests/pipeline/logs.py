@@ -346,7 +346,8 @@ def write_bulk(
     dispatched, settled accepted), spread over `nodes` nodes, written in chunks of
     `chunk_messages` messages per file. Batches of 64 messages are received and routed,
     then dispatched in arrival order to their group's fixed owner, then settled.
-    Group sizes are skewed (Zipf-like). `lost` drops that many accepted settles
+    Group sizes are skewed (Zipf-like); each group is on one node (when `groups` is a
+    multiple of `nodes`). `lost` drops that many accepted settles
     (every ``(n // lost)``-th message) so the audit must find exactly that many."""
     import numpy as np
     import pyarrow as pa
@@ -367,7 +368,10 @@ def write_bulk(
         for c0 in range(0, per_node, chunk_messages):
             m = min(chunk_messages, per_node - c0)
             idx = np.arange(c0, c0 + m)
+            # each group lives on one node (as the cluster's grouping arbiter makes it):
+            # node n's groups are those with gid % nodes == n
             gid = (rng.zipf(1.3, m) - 1) % groups
+            gid = (gid - gid % nodes + n) % groups if groups % nodes == 0 else gid
             # event order inside a batch of 64: 2 per message (recv, routed), then
             # dispatches, then settles
             b = idx - c0

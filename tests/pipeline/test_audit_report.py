@@ -225,7 +225,8 @@ def _two_owner_log() -> tuple[list[dict[str, Any]], list[str]]:
 def test_two_owners_counted_as_episodes(spark, tmp_path):
     log, (first1, last1, first2, last2) = _two_owner_log()
     ref = check(log)
-    assert len(ref.two_owners) == 20 and not ref.order_violations and not ref.lost
+    assert len(ref.two_owner_moments) == 20 and not ref.order_violations and not ref.lost
+    assert [(g, n) for _, g, *_, n in ref.two_owners] == [("g", 19), ("g", 1)]
     root = L.write_log(log, tmp_path / fmt.DIRECTORY, "jsonl")
     out = tmp_path / "report"
     r = audit(str(root), "--out", str(out))

@@ -110,15 +110,29 @@ def test_audit_of_real_run_with_injected_faults(spark, real_log, tmp_path):
     (root / "n2" / "part-99999999999999999999.parquet.inprogress").write_bytes(b"torn")
 
     result = audit.analyse(audit.load_events(spark, [str(tmp_path / "bad")]), samples=50)
+    inv = result["invariants"]
 
     assert spark_counts(result) == {
         "lost": 1,
         "duplicate_after_settle": 1,
         "received_twice": 1,
         "order_violations": 1,
+        # the swapped pair came from the run's one producer: its order is broken too
+        "producer_order": len(ref.producer_order),
         "two_owners": 1,  # one episode, of one or more moments
     }
-    inv = result["invariants"]
+    assert ref.producer_order and {g for _, g, *_ in ref.producer_order} == {ooo_group}
+    assert (
+        sorted(
+            (
+                *(s[k] for k in ("queue", "group_id", "producer", "boot")),
+                s["message"]["message_id"],
+                s["later"]["message_id"],
+            )
+            for s in inv["producer_order"]["samples"]
+        )
+        == ref.producer_order
+    )
     assert [(s["node"], s["queue"], s["message_id"]) for s in inv["lost"]["samples"]] == ref.lost
     assert inv["lost"]["samples"][0]["message_id"] == lost
     assert inv["duplicate_after_settle"]["samples"][0]["message_id"] == dup
@@ -131,9 +145,13 @@ def test_audit_of_real_run_with_injected_faults(spark, real_log, tmp_path):
             (s["queue"], s["group_id"], s["node"], s["seq"], s["consumer"])
             for s in inv["two_owners"]["moments"]["samples"]
         )
-        == ref.two_owners
+        == ref.two_owner_moments
     )
-    assert inv["two_owners"]["moments"]["count"] == len(ref.two_owners)
+    assert inv["two_owners"]["moments"]["count"] == len(ref.two_owner_moments)
+    assert [
+        (s["queue"], s["group_id"], s["first"]["node"], s["first"]["seq"], s["moments"])
+        for s in inv["two_owners"]["samples"]
+    ] == [(q, g, n, seq, m) for q, g, n, seq, _, m in ref.two_owners]
     assert {s["group_id"] for s in inv["two_owners"]["samples"]} == {two_group}
     assert not result["ok"]
     assert result["info"]["unrouted"]["count"] == len(ref.unrouted)

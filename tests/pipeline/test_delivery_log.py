@@ -45,8 +45,9 @@ async def stop(app: BrokerApp, done: trio.Event, clients: list[Client]) -> None:
         await done.wait()
 
 
-def read_log(directory: Path) -> list[dict[str, Any]]:
-    """Every record of the complete files of one node, in file order."""
+def read_log(directory: Path, markers: bool = False) -> list[dict[str, Any]]:
+    """Every record of the complete files of one node, in file order (without the
+    ``started`` / ``unbound`` markers unless `markers`)."""
     assert not list(directory.glob("*" + fmt.INPROGRESS)), "a file was left in progress"
     rows: list[dict[str, Any]] = []
     for p in sorted(directory.glob(fmt.PREFIX + "*")):
@@ -61,7 +62,7 @@ def read_log(directory: Path) -> list[dict[str, Any]]:
         assert part, f"{p.name} is empty"
         assert p.name == fmt.file_name(part[0]["seq"], p.suffix[1:]), p.name
         rows.extend(part)
-    return rows
+    return rows if markers else [r for r in rows if r["event"] not in fmt.MARKERS]
 
 
 def msg(mid: str, **kw: Any) -> Message:
@@ -109,9 +110,11 @@ async def test_every_event_written_once(run: Run, tmp_path: Path, file_format: s
         n.cancel_scope.cancel()
 
     directory = tmp_path / "data" / "delivery-log" / "n1"
+    every = read_log(directory, markers=True)
+    seqs = [r["seq"] for r in every]
+    assert seqs == list(range(1, len(every) + 1)), "seq must be contiguous and increasing"
+    assert every[0]["event"] == "started"  # the boot marker
     rows = read_log(directory)
-    seqs = [r["seq"] for r in rows]
-    assert seqs == list(range(1, len(rows) + 1)), "seq must be contiguous and increasing"
     ts = [r["ts_us"] for r in rows]
     assert ts == sorted(ts)
     assert {r["node"] for r in rows} == {"n1"}
@@ -192,13 +195,13 @@ async def test_rotation_bound_and_restart(run: Run, tmp_path: Path) -> None:
     files = sorted(directory.glob(fmt.PREFIX + "*"))
     assert len(files) > 3
     assert sum(p.stat().st_size for p in files) <= 40_000
-    rows = read_log(directory)
+    rows = read_log(directory, markers=True)
     seqs = [r["seq"] for r in rows]
     assert seqs == sorted(set(seqs)), "seq strictly increasing across files and restarts"
-    # each message: received, routed, dispatched, settled: 4 * total records were made;
-    # the oldest files are gone, the newest are complete
+    # each message: received, routed, dispatched, settled: 4 * total records were made,
+    # and a started marker per boot; the oldest files are gone, the newest are complete
     assert seqs[0] > 1
-    assert seqs[-1] == 4 * total
+    assert seqs[-1] == 4 * total + 2
     assert seqs == list(range(seqs[0], seqs[-1] + 1))
     assert rows[-1]["message_id"] == "r1-4-59"
 
@@ -273,7 +276,7 @@ async def test_block_overflow_holds_producer_credit(run: Run, tmp_path: Path) ->
         n.cancel_scope.cancel()
     assert blocked and min(blocked) >= 100
     rows = read_log(tmp_path / "data" / "delivery-log" / "n1")
-    assert [r["seq"] for r in rows] == list(range(1, 1201))
+    assert [r["seq"] for r in rows] == list(range(2, 1202))  # 1: the started marker
     assert w.dropped == 0
 
 
@@ -302,9 +305,9 @@ async def test_a_failed_write_loses_records_not_the_broker(run: Run, tmp_path: P
         assert [x.message.id for x in got] == ["lost", "kept"]
         await stop(app, done, [c])
         n.cancel_scope.cancel()
-    assert w.dropped == failures[0] == 2
+    assert w.dropped == failures[0] == 3  # the started marker, received, routed
     rows = read_log(tmp_path / "data" / "delivery-log" / "n1")
-    assert rows[0]["seq"] == 3 and rows[0]["message_id"] == "kept"
+    assert rows[0]["seq"] == 4 and rows[0]["message_id"] == "kept"
 
 
 # ------------------------------------------------------------- the writer alone
@@ -328,6 +331,7 @@ def _writer(tmp_path: Path, overflow: str) -> DeliveryLogWriter:
         message_id=lambda data: data.decode(),
     )
     w.open("w1")
+    w.write_batch(w.take_batch() or [])  # the started marker (seq 1)
     return w
 
 
@@ -344,7 +348,7 @@ def test_drop_overflow_counts_and_leaves_a_gap(tmp_path: Path) -> None:
     w.write_batch(w.take_batch() or [])
     w.close()
     rows = read_log(tmp_path / "delivery-log" / "w1")
-    assert [r["seq"] for r in rows] == [*range(1, 101), 151]
+    assert [r["seq"] for r in rows] == [*range(2, 102), 152]
     assert rows[0]["ts_us"] == 1_500_000 and rows[0]["message_id"] == "id0"
     assert w.statistics()["dropped"] == 50
 
@@ -359,6 +363,7 @@ def test_block_overflow_keeps_everything_and_resumes_producers(tmp_path: Path) -
     batch = w.take_batch()
     assert p.resumed == 1 and not w.full
     assert batch is not None and len(batch) == 120
+    w.close()
 
 
 def test_event_codes_match_the_format() -> None:
@@ -371,6 +376,9 @@ def test_event_codes_match_the_format() -> None:
         "released": dl.RELEASED,
         "expired": dl.EXPIRED,
         "dead_lettered": dl.DEAD_LETTERED,
+        "started": dl.STARTED,
+        "unbound": dl.UNBOUND,
+        "late": dl.LATE,
     }
     assert {fmt.EVENTS[code]: code for code in codes.values()} == codes
     assert len(fmt.EVENTS) == len(codes)
@@ -399,3 +407,25 @@ def test_owner_epoch_follows_the_cluster_arbiter(tmp_path: Path) -> None:
         ("c", 3),
         ("d", 4),
     ]
+
+
+def test_markers_boot_and_unbound(tmp_path: Path) -> None:
+    """Each open (a boot of the node) writes a ``started`` marker; the cluster's
+    ``unbound`` marker names the released instance and the group; seq continues."""
+    for _boot in range(2):
+        w = _writer(tmp_path, "block")
+        w.event(dl.ROUTED, "q", Entry(b"a"))
+        w.marker(dl.UNBOUND, "node3/orders", "g1")
+        w.write_batch(w.take_batch() or [])
+        w.close()
+    rows = read_log(tmp_path / "delivery-log" / "w1", markers=True)
+    assert [(r["seq"], r["event"], r["queue"], r["group_id"]) for r in rows] == [
+        (1, "started", None, None),
+        (2, "routed", "q", None),
+        (3, "unbound", "node3/orders", "g1"),
+        (4, "started", None, None),
+        (5, "routed", "q", None),
+        (6, "unbound", "node3/orders", "g1"),
+    ]
+    assert all(r["message_id"] is None for r in rows if r["event"] in fmt.MARKERS)
+    assert rows[2]["group_seq"] is None and rows[2]["delivery_count"] is None

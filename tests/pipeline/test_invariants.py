@@ -14,9 +14,9 @@ def clean() -> list[dict]:
     return L.clean_log(n_messages=300, n_groups=6, n_consumers=3, seed=3)
 
 
-def only(findings, name: str) -> None:
+def only(findings, name: str, also: tuple[str, ...] = ()) -> None:
     counts = findings.counts()
-    others = {k: v for k, v in counts.items() if k not in (name, "unrouted") and v}
+    others = {k: v for k, v in counts.items() if k not in (name, "unrouted", *also) and v}
     assert not others, f"unexpected findings besides {name}: {others}"
     assert counts[name] >= 1
 
@@ -29,8 +29,12 @@ def test_clean_log_has_no_finding(clean):
         "duplicate_after_settle": 0,
         "received_twice": 0,
         "order_violations": 0,
+        "producer_order": 0,
         "two_owners": 0,
         "unrouted": 1,
+        "still_queued": 0,
+        "moves": 0,
+        "late": 0,
         "seq_gaps": 0,
     }
     # the rolled-back transactional send is informational, never a loss
@@ -79,30 +83,40 @@ def test_forwarded_message_may_be_received_again(clean):
     """A forwarded message is received again on the next node: not a duplicate."""
     mid = "m5"
     first = next(r for r in clean if r["message_id"] == mid and r["event"] == "received")
-    fwd = dict(first, event="forwarded")
-    again = dict(first, node="n2", seq=1)
-    routed = dict(first, node="n2", seq=2, event="routed")
-    dispatched = dict(first, node="n2", seq=3, event="dispatched", consumer="x/1")
-    settled = dict(first, node="n2", seq=4, event="settled", consumer="x/1", outcome="accepted")
+    fwd = dict(first, event="forwarded", queue="n2/orders")
+    later = max(r["ts_us"] for r in clean) + 1000
+    again = dict(first, node="n2", seq=1, ts_us=later)
+    routed = dict(again, seq=2, event="routed")
+    dispatched = dict(again, seq=3, event="dispatched", consumer="x/1")
+    settled = dict(again, seq=4, event="settled", consumer="x/1", outcome="accepted")
     f = check([*L._keep_order([*clean, fwd]), again, routed, dispatched, settled])
     assert f.ok, f.counts()
+    assert not f.received_twice and not f.unrouted[1:]
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_out_of_order_group(clean, seed):
     bad, (gid, mid) = L.inject_out_of_order(clean, seed=seed)
     f = check(bad)
-    only(f, "order_violations")
+    only(f, "order_violations", also=("producer_order",))
     assert f.order_violations == [("n1", "orders", gid, mid)]
+    # the same swap is a producer-order violation when both came from one producer
+    (early,) = [r for r in bad if r["message_id"] == mid and r["event"] == "received"]
+    overtaken = [x for x in f.producer_order if x[5] == mid]
+    assert [x[:4] for x in overtaken] == [("orders", gid, f"n1/{early['producer']}", 0)] * len(
+        overtaken
+    )
+    assert len(f.producer_order) == len(overtaken)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_two_owners(clean, seed):
     bad, (gid, consumer) = L.inject_two_owners(clean, seed=seed)
     f = check(bad)
-    only(f, "two_owners")
+    only(f, "two_owners", also=("two_owner_moments",))
     assert {(q, g) for q, g, *_ in f.two_owners} == {("orders", gid)}
-    assert consumer in {c for *_, c in f.two_owners}
+    assert consumer in {c for *_, c in f.two_owner_moments}
+    assert sum(n for *_, n in f.two_owners) == len(f.two_owner_moments)
 
 
 def test_owner_epoch_orders_events_across_nodes(clean):
@@ -136,12 +150,19 @@ def test_owner_epoch_orders_events_across_nodes(clean):
     assert check(log).ok
     # the same dispatch in the old epoch, while A still holds m1: two owners
     log[4] = dict(log[4], owner_epoch=1)
-    assert check(log).two_owners == [("q", "g", "b", 2, "B/1")]
+    f = check(log)
+    assert f.two_owner_moments == [("q", "g", "b", 2, "B/1")]
+    assert f.two_owners == [("q", "g", "b", 2, "B/1", 1)]
 
 
 def test_grace_keeps_in_flight_messages_out_of_lost(clean):
     tail = max(r["seq"] for r in clean) + 1
     ts = max(r["ts_us"] for r in clean) + 10
-    new = {**clean[0], "seq": tail, "ts_us": ts, "event": "routed", "message_id": "late"}
-    assert check([*clean, new]).lost == [("n1", "orders", "late")]
-    assert check([*clean, new], grace_us=1_000).lost == []
+    new = {**clean[0], "seq": tail, "ts_us": ts, "event": "routed", "message_id": "new"}
+    # never dispatched, nothing of its group after it: still queued, not lost
+    assert check([*clean, new]).still_queued == [("n1", "orders", "new")]
+    assert check([*clean, new], grace_us=1_000).still_queued == []
+    # dispatched and never settled: lost, unless it arrived within the grace
+    disp = {**new, "seq": tail + 1, "event": "dispatched", "consumer": "c0/recv"}
+    assert check([*clean, new, disp]).lost == [("n1", "orders", "new")]
+    assert check([*clean, new, disp], grace_us=1_000).lost == []

@@ -38,6 +38,7 @@ class Cluster:
         self.proc: dict[str, BrokerProcess] = {}
         self.peer_override: dict[tuple[str, str], int] = {}
         self.extra_env: dict[str, str] = {}
+        self.clients: list[Client] = []
 
     def env(self, node: str) -> dict[str, str]:
         peers = ",".join(
@@ -69,7 +70,16 @@ class Cluster:
             await self.start_node(n)
 
     async def connect(self, node: str) -> Client:
-        return await Client.connect(self.ports[node], nursery=self.nursery)
+        c = await Client.connect(self.ports[node], nursery=self.nursery)
+        self.clients.append(c)
+        return c
+
+    def abort_clients(self) -> None:
+        """Drop every client socket a test left open (a failed test leaves them to the
+        garbage collector, whose ResourceWarning would fail some later test)."""
+        for c in self.clients:
+            c.abort()
+        self.clients.clear()
 
     async def status(self, node: str) -> dict[str, Any]:
         async with await self.connect(node) as c:

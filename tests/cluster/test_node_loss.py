@@ -251,11 +251,12 @@ async def run_node_loss(
 @pytest.fixture
 async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
     procs = BrokerProcesses(nursery, cwd=tmp_path)
+    c = Cluster(procs, tmp_path, nursery)
+    c.extra_env = {"AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT)}
     try:
-        c = Cluster(procs, tmp_path, nursery)
-        c.extra_env = {"AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT)}
         yield c
     finally:
+        c.abort_clients()
         await procs.aclose()
 
 
@@ -294,6 +295,7 @@ async def zc(
     try:
         yield c
     finally:
+        c.abort_clients()
         await procs.aclose()
 
 

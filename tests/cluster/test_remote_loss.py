@@ -59,6 +59,7 @@ async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluste
         }
         yield c
     finally:
+        c.abort_clients()
         await procs.aclose()
 
 

@@ -256,12 +256,23 @@ class NodeLoss:
                 expiry = abs_exp
             return Entry(data, durable, prio if prio < 10 else 9, expiry, dc, g, gseq)
 
-        def sink(e: Entry) -> None:
+        # each envelope is unwrapped and scanned once: `take_waiting` asks `match` for
+        # every waiting entry, then hands the taken ones to `sink`
+        found: dict[int, Entry] = {}
+
+        def match(e: Entry) -> bool:
             ie = inner(e)
-            if ie is not None and self.routing.deliver_to(node, a, ie) is None:
+            if ie is None:
+                return False
+            found[id(e)] = ie
+            return True
+
+        def sink(e: Entry) -> None:
+            ie = found.pop(id(e))
+            if self.routing.deliver_to(node, a, ie) is None:
                 self.broker.route(a, ie)
 
-        moved = p.bridge.queues[0].take_waiting(lambda e: inner(e) is not None, sink)
+        moved = p.bridge.queues[0].take_waiting(match, sink)
         if moved:
             log.warning(
                 "group %r moved from the lost node %s to %s: the %d message(s) this "

@@ -44,17 +44,21 @@ async def test_forwarded_messages_are_logged_on_both_nodes(
     def have(app_name: str, event: str, n: int) -> bool:
         return sum(1 for r in records(app_name) if r["event"] == event) >= n
 
-    await until(lambda: have("node3", "forwarded", 3) and have("node2", "settled", 3))
+    def settled_g() -> list[dict[str, object]]:
+        return [
+            r
+            for r in records("node2")
+            if r["event"] == "settled" and r["queue"] == "orders" and r["group_id"] == "g"
+        ]
+
+    # wait for the very records checked below (node2 logs settlements of other queues
+    # too, which used to satisfy a looser wait before these were written)
+    await until(lambda: have("node3", "forwarded", 3) and len(settled_g()) >= 3)
     fwd = [r for r in records("node3") if r["event"] == "forwarded"]
     assert [r["group_id"] for r in fwd] == ["g", "g", "g"]
     assert {r["queue"] for r in fwd} == {"node2/orders"}
     assert all(r["owner_epoch"] == 0 for r in fwd)  # static arbiter
-    settled = [
-        r
-        for r in records("node2")
-        if r["event"] == "settled" and r["queue"] == "orders" and r["group_id"] == "g"
-    ]
-    assert [r["outcome"] for r in settled] == ["accepted"] * 3
+    assert [r["outcome"] for r in settled_g()] == ["accepted"] * 3
 
 
 def _records(app: BrokerApp) -> list[dict[str, object]]:

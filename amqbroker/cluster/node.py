@@ -67,6 +67,7 @@ from amqbroker.cluster.topology import (
     Peer,
     Topology,
 )
+from amqbroker.core import delivery_log as dl
 from amqbroker.core.broker import Broker
 from amqbroker.net.driver import Hub
 from amqbroker.protocol.cluster_links import INBOUND_ADDRESS, DuplicateWindow, inbound_factory
@@ -323,4 +324,4 @@ class ClusterNode:
                     # its messages may still wait in the bridges or in the node's store:
                     # expiring it now would let newer messages overtake them
                     continue
-                await self.routing.unbind(k)
+                await self.routing.unbind(k, dl.UNBIND_IDLE)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from amqbroker.core import delivery_log as dl
 from amqbroker.core.address import ANYCAST, Address
 from amqbroker.core.entry import Entry
 from amqbroker.protocol.peer import unwrap_forward
@@ -66,7 +67,7 @@ class Decider(Protocol):
 
     def cached_for(self, node: str) -> int: ...
 
-    async def unbind(self, key: str) -> None: ...
+    async def unbind(self, key: str, reason: str) -> None: ...
 
     @property
     def outstanding(self) -> dict[str, Any]: ...
@@ -268,9 +269,7 @@ class NodeLoss:
             return True
 
         def sink(e: Entry) -> None:
-            ie = found.pop(id(e))
-            if self.routing.deliver_to(node, a, ie) is None:
-                self.broker.route(a, ie)
+            self.routing.deliver_to(node, a, found.pop(id(e)))
 
         moved = p.bridge.queues[0].take_waiting(match, sink)
         if moved:
@@ -325,7 +324,7 @@ class NodeLoss:
                     # newer messages of the key wait from now on, before the unbind:
                     # none may be decided elsewhere ahead of those the bridges hold
                     held = b is not None and self._hold_for_rescue(k, p.node_id, b.queue)
-                    await self.routing.unbind(k)
+                    await self.routing.unbind(k, dl.UNBIND_NODE_LOST)
                     if b is not None and (held or k in self._rescue):
                         self.routing.start_decision(k, b.queue)
             # the other nodes keep their cached answers naming the lost node until the
@@ -418,4 +417,4 @@ class NodeLoss:
                 cur = self.arbiter.bindings.get(k)
                 if cur is not None and (cur.node, cur.queue) == (node, queue):
                     self.consumerless_released += 1
-                    await self.routing.unbind(k)
+                    await self.routing.unbind(k, dl.UNBIND_CONSUMERLESS)

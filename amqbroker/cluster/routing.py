@@ -243,9 +243,10 @@ class Routing:
             node, qname = b.node, b.queue
         return State.BOUND if self._unroutable(node, qname) is None else State.STALE
 
-    def deliver_to(self, node: str, a: Address, e: Entry, *, late: bool = False) -> int | None:
+    def deliver_to(self, node: str, a: Address, e: Entry, *, late: bool = False) -> int:
+        """Route `e` to `a`'s instance on `node`: here, or wrapped onto its bridge."""
         if node == self.node_id:
-            return None if a is None else self.broker.route(a, e)
+            return self.broker.route(a, e)
         p = self.peers.get(node)
         if p is None:
             log.warning("group bound to unknown node %s; routed locally", node)
@@ -496,9 +497,11 @@ class Routing:
         b = self.arbiter.lookup(key, touch=False)
         if b is not None and b.ready.is_set() and (b.node, b.queue) == (node, queue):
             log.warning("group binding %r -> %s/%s force-removed", key, node, queue)
-            await self.unbind(key)
+            await self.unbind(key, dl.UNBIND_FORCED)
 
-    async def unbind(self, key: str) -> None:
+    async def unbind(self, key: str, reason: str) -> None:
+        """On the arbiter: release `key`'s binding everywhere, for `reason` (one of
+        `delivery_log.UNBIND_REASONS`, recorded in the ``unbound`` marker)."""
         try:
             b = await self.arbiter.remove(key)
         except NotArbiter:
@@ -507,7 +510,9 @@ class Routing:
             return
         self.drop_local(key, b.queue)
         if self.broker.dlog is not None:  # the audit's marker: the group may move now
-            self.broker.dlog.marker(dl.UNBOUND, f"{b.node}/{b.queue}", key[: -len(b.queue) - 1])
+            self.broker.dlog.marker(
+                dl.UNBOUND, f"{b.node}/{b.queue}", key[: -len(b.queue) - 1], reason
+            )
         for p in self.peers.values():
             self.links.request(
                 p,
@@ -541,4 +546,4 @@ class Routing:
         for k in keys:
             b = self.arbiter.bindings.get(k)
             if b is not None and b.node == node and b.queue in queues:
-                await self.unbind(k)
+                await self.unbind(k, dl.UNBIND_QUEUE_DELETED)

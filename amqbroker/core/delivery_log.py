@@ -63,6 +63,20 @@ STARTED = 8
 UNBOUND = 9
 LATE = 10
 
+#: why the arbiter released a binding (the ``outcome`` column of an ``unbound`` marker)
+UNBIND_NODE_LOST = "node-lost"  # its node was lost, policy move
+UNBIND_IDLE = "idle"  # unused for grouping_group_timeout
+UNBIND_CONSUMERLESS = "consumerless"  # no consumer for grouping_consumerless_timeout
+UNBIND_QUEUE_DELETED = "queue-deleted"  # its queue instance was deleted
+UNBIND_FORCED = "force-removed"  # a proposer reported the binding stale
+UNBIND_REASONS = (
+    UNBIND_NODE_LOST,
+    UNBIND_IDLE,
+    UNBIND_CONSUMERLESS,
+    UNBIND_QUEUE_DELETED,
+    UNBIND_FORCED,
+)
+
 #: settled outcomes
 ACCEPTED = "accepted"
 REJECTED = "rejected"
@@ -94,9 +108,10 @@ class DeliveryLog(Protocol):
 
     def forget(self, producer: BlockedProducer) -> None: ...
 
-    def marker(self, event: int, queue: str, group_id: str) -> None:
+    def marker(self, event: int, queue: str, group_id: str, reason: str | None = None) -> None:
         """Record a marker about a group, not a message (`UNBOUND`: ``queue`` =
-        "<node>/<queue>" of the released binding); buffered, never raises."""
+        "<node>/<queue>" of the released binding, `reason` one of `UNBIND_REASONS`);
+        buffered, never raises."""
         ...
 
     def set_owner_epoch(self, epoch: int) -> None:

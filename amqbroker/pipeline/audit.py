@@ -539,6 +539,8 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
     nodes: dict[str, dict[str, int]] = {}
     by_event: dict[str, int] = {}
     by_outcome: dict[str, int] = {}
+    #: the arbiter's releases of group bindings, by reason (``unbound`` markers)
+    releases: dict[str, int] = {}
     for r in (
         events.groupBy("node", "event", "outcome")
         .agg(
@@ -554,6 +556,9 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
         if r["event"] == "settled":
             o = r["outcome"] or "none"
             by_outcome[o] = by_outcome.get(o, 0) + r["events"]
+        elif r["event"] == "unbound":
+            o = r["outcome"] or "unknown"  # logs written before reasons were recorded
+            releases[o] = releases.get(o, 0) + r["events"]
         v = nodes.setdefault(r["node"], {"events": 0})
         v["events"] += r["events"]
         for k, pick in (
@@ -1003,6 +1008,7 @@ def analyse(events: DataFrame, grace_s: float = 0.0, samples: int = 20) -> dict[
             "events": sum(by_event.values()),
             "by_event": dict(sorted(by_event.items())),
             "by_outcome": dict(sorted(by_outcome.items())),
+            "releases": dict(sorted(releases.items())),
             "redeliveries": lat_row["redeliveries"] or 0,
             "copies": lat_row["copies"],
             "messages_approx": lat_row["messages"],

@@ -38,6 +38,7 @@ producer           str|null   "<connection id>/<link name>" of the sender (recei
 consumer           str|null   "<connection id>/<link name>" (dispatched, settled,
                               released)
 outcome            str|null   settled only: accepted, rejected, released, modified
+                              (``unbound``: the reason of the release)
 owner_epoch        int64      epoch of the group's owner (0 on a single node)
 delivery_count     int32|null failed delivery attempts before this event
 =================  =========  ===========================================================
@@ -53,8 +54,10 @@ Markers (``started``, ``unbound``: no message-id, about a node or a group) and `
   its node was lost under ``cluster_node_loss_policy = "move"``, the group expired,
   its queue instance was deleted or had no consumer for
   ``grouping_consumerless_timeout``, or the binding was force-removed): ``queue`` =
-  "<node>/<queue>" of the released instance, ``group_id`` the group, on the arbiter's
-  log. The group may then move to another queue instance; a move without one is
+  "<node>/<queue>" of the released instance, ``group_id`` the group, ``outcome`` the
+  reason (``node-lost``, ``idle``, ``consumerless``, ``queue-deleted``,
+  ``force-removed``; null in logs written before reasons were recorded), on the
+  arbiter's log. The group may then move to another queue instance; a move without one is
   reported by the audit.
 * ``late``: under the ``move`` node-loss policy a node that comes back forwards the
   stranded messages of groups that moved while it was lost to the group's current

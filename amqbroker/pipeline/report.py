@@ -108,6 +108,8 @@ def _event_rows(r: dict[str, Any]) -> list[list[Any]]:
         if name == "settled":
             for o in (*OUTCOMES, *sorted(set(by_outcome) - set(OUTCOMES))):
                 rows.append([f"settled {o}", by_outcome.get(o, 0)])
+    for reason, n in t.get("releases", {}).items():
+        rows.append([f"group bindings released ({reason})", n])
     return rows
 
 

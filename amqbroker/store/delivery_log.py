@@ -246,12 +246,12 @@ class DeliveryLogWriter:
         if n == self.take_at and self._wake is not None:
             self._wake()
 
-    def marker(self, event: int, queue: str, group_id: str) -> None:
-        """A marker about a group (`amqbroker.core.delivery_log.UNBOUND`); rare, so
-        never dropped for a full buffer."""
+    def marker(self, event: int, queue: str, group_id: str, reason: str | None = None) -> None:
+        """A marker about a group (`amqbroker.core.delivery_log.UNBOUND`, with its
+        `reason` in the outcome column); rare, so never dropped for a full buffer."""
         self._seq += 1
         self._buf.append(
-            (self._seq, self._clock(), event, queue, None, None, group_id, None, None, None, None)
+            (self._seq, self._clock(), event, queue, None, None, group_id, None, None, reason, None)
         )
 
     def set_owner_epoch(self, epoch: int) -> None:

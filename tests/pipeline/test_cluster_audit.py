@@ -63,7 +63,7 @@ def late_log(marked: bool = True) -> list[dict[str, Any]]:
             _rec("n1", 2 * i + 3, 10 * i + 1, "forwarded", mid, queue=target, group_seq=i + 1)
         )
     out.append(_rec("n1", 1, 0, "started", None, queue=None, group_id=None))
-    out.append(_rec("n1", 8, 2000, "unbound", None, queue="n3/orders"))
+    out.append(_rec("n1", 8, 2000, "unbound", None, queue="n3/orders", outcome="node-lost"))
     n2 = [("received", "m2"), ("routed", "m2"), ("received", "m3"), ("routed", "m3")]
     n2 += [("dispatched", "m2"), ("settled", "m2"), ("dispatched", "m3"), ("settled", "m3")]
     for i, (ev, mid) in enumerate(n2):
@@ -243,6 +243,8 @@ def test_spark_audit_agrees_on_cluster_logs(spark, move_old, tmp_path):
     late_found = r["info"]["late"]
     assert [(s["node"], s["queue"], s["message_id"]) for s in late_found["samples"]] == ref.late
     assert r["totals"]["late"] == 1
+    # releases by reason: the old fixture was written before reasons were recorded
+    assert r["totals"]["releases"] == {"node-lost": 2, "unknown": 2}
     # unmarked, n3's copy of m1 has no terminal event: it reads as still queued there
     assert r["info"]["still_queued"]["count"] == len(ref.still_queued) == 1
     md = (out / "report.md").read_text()
@@ -253,6 +255,7 @@ def test_spark_audit_agrees_on_cluster_logs(spark, move_old, tmp_path):
         assert "producer=node1/c5/sender-1" in text or "producer=node2/c5/sender-1" in text
         assert "after the later " in text
     assert f"| {title} | 31 |" in md
+    assert "| group bindings released (node-lost) | 2 |" in md
 
 
 @pytestmark_spark

@@ -415,7 +415,7 @@ def test_markers_boot_and_unbound(tmp_path: Path) -> None:
     for _boot in range(2):
         w = _writer(tmp_path, "block")
         w.event(dl.ROUTED, "q", Entry(b"a"))
-        w.marker(dl.UNBOUND, "node3/orders", "g1")
+        w.marker(dl.UNBOUND, "node3/orders", "g1", dl.UNBIND_NODE_LOST)
         w.write_batch(w.take_batch() or [])
         w.close()
     rows = read_log(tmp_path / "delivery-log" / "w1", markers=True)
@@ -429,3 +429,5 @@ def test_markers_boot_and_unbound(tmp_path: Path) -> None:
     ]
     assert all(r["message_id"] is None for r in rows if r["event"] in fmt.MARKERS)
     assert rows[2]["group_seq"] is None and rows[2]["delivery_count"] is None
+    # the reason of the release travels in the outcome column
+    assert [r["outcome"] for r in rows if r["event"] == "unbound"] == ["node-lost"] * 2

@@ -46,6 +46,7 @@ from typing import Any
 import proton
 from proton import Collector, Connection, Delivery, Endpoint, Event, Link, Message, Transport
 
+from amqbroker.protocol import amqp_message
 from amqbroker.protocol import fastpath as fp
 from amqbroker.protocol.scanner import ScanError, annotated_body
 
@@ -82,6 +83,17 @@ def encode_message(
     properties: dict[str, Any] | None = None,
     body: Any = None,
 ) -> bytes:
+    try:
+        return amqp_message.encode(
+            id=id,
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            to=to,
+            properties=properties,
+            body=body,
+        )
+    except amqp_message.Unsupported:
+        pass  # a value the hand codec does not write: proton does
     m: Any = Message(body=body)
     if id is not None:
         m.id = id
@@ -97,6 +109,18 @@ def encode_message(
 
 
 def decode_message(data: bytes) -> PeerMessage:
+    try:
+        h = amqp_message.decode(data)
+    except amqp_message.Unsupported:
+        pass  # proton reads it, or says what is wrong with it
+    else:
+        return PeerMessage(
+            id=h.id,
+            correlation_id=h.correlation_id,
+            reply_to=h.reply_to,
+            properties=dict(h.properties or {}),
+            body=h.body,
+        )
     m = Message()
     m.decode(data)
     return PeerMessage(

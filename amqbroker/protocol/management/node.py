@@ -42,6 +42,7 @@ import proton
 from amqbroker.core.broker import Broker
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError
+from amqbroker.protocol import amqp_message
 from amqbroker.protocol import fastpath as fp
 from amqbroker.protocol.links import ConsumerLink, ProducerLink
 from amqbroker.protocol.management.base import (
@@ -331,7 +332,7 @@ class ManagementLink:
         self.ptr = link._impl
 
     def start(self) -> None:
-        fp.flow(self.ptr, 100)
+        fp.flow(self.ptr, 1000)
 
     def on_flow(self) -> None:
         pass
@@ -341,12 +342,16 @@ class ManagementLink:
         if data is None:
             return
         fp.flow(self.ptr, 1)
-        request = proton.Message()
+        request: Any
         try:
-            request.decode(data)
-        except Exception as exc:
-            fp.reject(d, "amqp:decode-error", f"malformed management request: {exc}")
-            return
+            request = amqp_message.decode(data)
+        except amqp_message.Unsupported:
+            request = proton.Message()  # a shape the hand codec leaves to proton
+            try:
+                request.decode(data)
+            except Exception as exc:
+                fp.reject(d, "amqp:decode-error", f"malformed management request: {exc}")
+                return
         if not request.reply_to:
             fp.reject(
                 d,
@@ -422,9 +427,7 @@ class ManagementLink:
                     return True
         return any(t is a for t in conn._temp_topics.values())
 
-    def _extension(
-        self, handler: ExtensionHandler, request: proton.Message, props: dict[str, Any]
-    ) -> None:
+    def _extension(self, handler: ExtensionHandler, request: Any, props: dict[str, Any]) -> None:
         self.node.requests += 1
         reply_to = str(request.reply_to)
         corr = request.id if request.id is not None else request.correlation_id
@@ -436,12 +439,19 @@ class ManagementLink:
             if answered:
                 return
             answered = True
-            reply = proton.Message(body=body)
-            reply.address = reply_to
-            reply.correlation_id = corr
-            reply.properties = {"statusCode": status, "statusDescription": description}  # type: ignore[assignment]
+            props = {"statusCode": status, "statusDescription": description}
             try:
-                broker.route(broker.address_for_relay(reply_to), Entry(bytes(reply.encode())))
+                data = amqp_message.encode(
+                    to=reply_to, correlation_id=corr, properties=props, body=body
+                )
+            except amqp_message.Unsupported:  # a value the hand codec does not write
+                reply = proton.Message(body=body)
+                reply.address = reply_to
+                reply.correlation_id = corr
+                reply.properties = props  # type: ignore[assignment]
+                data = bytes(reply.encode())
+            try:
+                broker.route(broker.address_for_relay(reply_to), Entry(data))
             except BrokerError as exc:
                 log.info("management answer to %s not delivered: %s", reply_to, exc.description)
 

@@ -287,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         help="sample every broker with py-spy (pip install py-spy) while the messages "
         "flow; collapsed stacks in DIR/<setup>-<run>-<node>.txt",
     )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each run's data directories and broker logs (the path is printed)",
+    )
     args = ap.parse_args(argv)
     setups = [s for s in args.setups.split(",") if s]
     for s in setups:
@@ -310,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             except RunError as exc:
                 row = {"setup": setup, "run": run, "ok": False, "first_error": str(exc)}
             finally:
-                shutil.rmtree(root, ignore_errors=True)
+                if args.keep:
+                    print(f"{setup} run {run}: brokers' data and logs kept in {root}")
+                else:
+                    shutil.rmtree(root, ignore_errors=True)
             rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from amqbroker.cluster.arbiter import NotArbiter
+from amqbroker.cluster.arbiter import Binding, NotArbiter
 from amqbroker.cluster.topology import GROUPING_TYPE, Peer, Tasks, Topology
 from amqbroker.protocol.management import ManagementError, ManagementRequest
 from amqbroker.protocol.peer import PeerMessage
@@ -96,8 +96,9 @@ class ClusterManagement:
                     None,
                 )
                 return
-            started = self.tasks.spawn(self._answer_proposal, body, respond)
-            assert started
+            if body.get("stale") or not self._propose_soon(body, respond):
+                started = self.tasks.spawn(self._answer_proposal, body, respond)
+                assert started
         elif op == "groupingUnpropose":
             epoch = int(body.get("epoch", 0))
             if not self.role.fence.check(epoch):
@@ -165,6 +166,39 @@ class ClusterManagement:
             )
         return None
 
+    def _propose_soon(self, body: dict[str, Any], respond: Respond) -> bool:
+        """Answer a proposal without a task (the usual case: no stale binding to remove
+        first): at once for a decided key, else from the arbiter's committer when the
+        decision is durable. False: take the task path (`_answer_proposal`)."""
+        try:
+            key, node, queue = str(body["key"]), str(body["node"]), str(body["queue"])
+        except (KeyError, TypeError):
+            return False  # the task path answers 400
+
+        def answer(b: Binding, accepted: bool) -> None:
+            if b.failed:
+                if b.error is not None:
+                    respond(500, f"the grouping decision failed: {b.error}", None)
+                else:
+                    respond(
+                        503, f"this node is no longer the arbiter; ask {self.role.leader_id}", None
+                    )
+            else:
+                respond(200, "OK", self._decision_body(b, accepted))
+            self.tasks.flush()
+
+        return self.arbiter.propose_soon(key, node, queue, answer)
+
+    def _decision_body(self, b: Binding, accepted: bool) -> dict[str, Any]:
+        return {
+            "key": b.key,
+            "node": b.node,
+            "queue": b.queue,
+            "epoch": self.role.epoch,
+            "boundEpoch": b.epoch,
+            "accepted": accepted,
+        }
+
     async def _answer_proposal(self, body: dict[str, Any], respond: Respond) -> None:
         try:
             key, node, queue = str(body["key"]), str(body["node"]), str(body["queue"])
@@ -180,18 +214,7 @@ class ClusterManagement:
         except NotArbiter:
             respond(503, f"this node is no longer the arbiter; ask {self.role.leader_id}", None)
         else:
-            respond(
-                200,
-                "OK",
-                {
-                    "key": b.key,
-                    "node": b.node,
-                    "queue": b.queue,
-                    "epoch": self.role.epoch,
-                    "boundEpoch": b.epoch,
-                    "accepted": accepted,
-                },
-            )
+            respond(200, "OK", self._decision_body(b, accepted))
         self.tasks.flush()
 
     def bindings(self) -> list[dict[str, Any]]:

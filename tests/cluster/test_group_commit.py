@@ -154,3 +154,50 @@ async def test_a_fenced_batch_fails_as_a_whole(tmp_path: Path, autojump_clock: A
     assert sorted(refused) == ["g0.q", "g1.q", "g2.q"] and fenced == [4]
     lg.close()
     assert a.bindings == {} and lg.syncs == 1 and not a.leading
+
+
+async def test_propose_soon_answers_from_the_committer(tmp_path: Path, autojump_clock: Any) -> None:
+    """The task-free proposal path of the management node (`Arbiter.propose_soon`):
+    answered by the committer once the batch is synced and replicated, in the same
+    batch as concurrent `propose` calls; at once for a decided key; never for a fenced
+    batch (the binding says failed)."""
+    events: list[tuple[str, int]] = []
+    a, lg = durable_leader(tmp_path, events)
+    link = acking(events)
+    answers: list[tuple[str, str, bool, bool]] = []
+    counted = {3: trio.Event(), 5: trio.Event()}
+
+    def answer(b: Any, accepted: bool) -> None:
+        assert b.ready.is_set()
+        answers.append((b.key, b.node, accepted, b.failed))
+        events.append(("answer", 1))
+        if len(answers) in counted:
+            counted[len(answers)].set()
+
+    async with trio.open_nursery() as n:
+        link.nursery = n
+        n.start_soon(a.run)
+        r, _ = replicator(a, link)
+        r.set_target("node2")
+        r.synced = ("node2", 3)
+        assert a.propose_soon("g1.q", "node2", "q", answer)
+        assert a.propose_soon("g1.q", "node3", "q", answer)  # same key, same batch
+        assert a.propose_soon("g2.q", "node3", "q", answer)
+        assert answers == []  # nothing before the batch is durable
+        await counted[3].wait()  # the fsync runs in a real worker thread
+        assert events == [("synced", 2), ("replicated", 2), *[("answer", 1)] * 3]
+        assert answers == [
+            ("g1.q", "node2", True, False),
+            ("g1.q", "node2", False, False),  # the first proposal's binding
+            ("g2.q", "node3", True, False),
+        ]
+        assert a.propose_soon("g2.q", "node1", "q", answer)  # decided: answered at once
+        assert answers[-1] == ("g2.q", "node3", False, False) and lg.syncs == 1
+        # a fenced batch: every waiting answer sees a failed binding, none is bound
+        link.answer = lambda body: (409, "stale arbiter epoch", {"epoch": 4})
+        assert a.propose_soon("g3.q", "node2", "q", answer)
+        await counted[5].wait()
+        assert answers[-1] == ("g3.q", "node2", True, True) and "g3.q" not in a.bindings
+        assert not a.propose_soon("g4.q", "node2", "q", answer)  # not leading any more
+        n.cancel_scope.cancel()
+    lg.close()

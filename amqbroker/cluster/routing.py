@@ -339,8 +339,6 @@ class Routing:
                 if node is None:
                     if self.settings.grouping_timeout_policy == "ungrouped":
                         res = self.deliver_to(self._pick(qname), a, e)
-                        if res is None:
-                            res = self.broker.route(a, e)
                     elif failed is not None:
                         res = GroupingTimeout(failed)
                     else:
@@ -352,8 +350,6 @@ class Routing:
                         )
                 else:
                     res = self.deliver_to(node, a, e)
-                    if res is None:
-                        res = self.broker.route(a, e)
             except BrokerError as exc:
                 res = exc
             done(res)

@@ -220,9 +220,13 @@ def _queue_options(f: Any) -> Any:
     return f
 
 
+_OPTION_ATTRS = {s.name: s.attribute or s.name for s in OPTIONS}
+
+
 def _option_body(opts: dict[str, Any]) -> dict[str, Any]:
-    """The management attributes of the queue options given on the command line."""
-    return {s.attribute or s.name: opts[s.name] for s in OPTIONS if opts.get(s.name) is not None}
+    """The management attributes of the queue options given on the command line (in
+    the order given)."""
+    return {_OPTION_ATTRS[k]: v for k, v in opts.items() if k in _OPTION_ATTRS and v is not None}
 
 
 @queue.command("create")

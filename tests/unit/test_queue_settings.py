@@ -165,6 +165,11 @@ def test_cli_flags_come_from_the_table() -> None:
     given = {s.name: OTHER[s.name] for s in OPTIONS} | {"url": "amqp://x"}
     assert _option_body(given) == {s.attribute: OTHER[s.name] for s in OPTIONS}
     assert _option_body({s.name: None for s in OPTIONS}) == {}
+    # in the order given on the command line (queue update echoes them that way)
+    assert list(_option_body({"exclusive": True, "group_buckets": -1})) == [
+        "exclusive",
+        "groupBuckets",
+    ]
 
 
 # ------------------------------------------------------------------------------ docs

@@ -243,30 +243,9 @@ def _annotation(value_type: ValueType) -> Any:
 
 _FROZEN: Final = ConfigDict(frozen=True, extra="forbid")
 
-if TYPE_CHECKING:
-    # the fields below are generated from QUEUE_SETTINGS: static code reads queue
-    # settings through QueuePolicy (or getattr with a table row), not these models
-    _QueueSettingFields = BaseModel
-else:
-    _QueueSettingFields = create_model(
-        "_QueueSettingFields",
-        __config__=_FROZEN,
-        __module__=__name__,
-        **{
-            s.address_setting: (_annotation(s.type), Field(default=s.default, description=s.doc))
-            for s in QUEUE_SETTINGS
-        },
-    )
 
-
-class ResolvedAddressSettings(_QueueSettingFields):
-    """The policy for one address with every field decided (built-in defaults here).
-
-    The queue settings (`amqbroker.core.queue_settings.QUEUE_SETTINGS`: the group and
-    dispatch settings, max_delivery_attempts, redelivery_delay) are fields too, each
-    under its ``address_setting`` key with the table's default; the fields declared
-    here are the address's own.
-    """
+class _AddressOwnSettings(BaseModel):
+    """The settings of an address that are not queue settings, with their defaults."""
 
     model_config = _FROZEN
 
@@ -285,6 +264,32 @@ class ResolvedAddressSettings(_QueueSettingFields):
     #: recent duplicate ids (message-id, or _AMQ_DUPL_ID) remembered per address;
     #: a message whose id is among them is accepted and dropped. 0 = off
     duplicate_detection_window: Count = 0
+
+
+if TYPE_CHECKING:
+    # the queue settings' fields are generated: static code reads them through
+    # QueuePolicy (or getattr with a table row), not through these models
+    _ResolvedFields = _AddressOwnSettings
+else:
+    _ResolvedFields = create_model(
+        "_ResolvedFields",
+        __base__=_AddressOwnSettings,
+        __module__=__name__,
+        **{
+            s.address_setting: (_annotation(s.type), Field(default=s.default, description=s.doc))
+            for s in QUEUE_SETTINGS
+        },
+    )
+
+
+class ResolvedAddressSettings(_ResolvedFields):
+    """The policy for one address with every field decided (built-in defaults here):
+    the address's own settings (`_AddressOwnSettings`), then one field per queue
+    setting (`amqbroker.core.queue_settings.QUEUE_SETTINGS`: grouping, dispatch,
+    max_delivery_attempts, redelivery_delay) under its ``address_setting`` key, with
+    the table's default."""
+
+    model_config = _FROZEN
 
 
 #: fields where "" on input means "explicitly none" (resolved to None)

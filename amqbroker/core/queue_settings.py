@@ -15,11 +15,13 @@ One row of `QUEUE_SETTINGS` declares all of that. Derived from it:
 - `Broker._policy`: the `QueuePolicy` of a queue (``QueueConfig`` field by field);
 - the management queue entity (`QUEUE_OPTIONS`, the attributes READ returns);
 - the CLI's ``queue create``/``queue update`` flags;
-- the comments of ``config/amqbroker.toml`` (`example_config_block`; a unit test
-  checks that the file carries each setting's block).
+- the comments of ``config/amqbroker.toml`` (`example_config_block`;
+  ``scripts/sync_queue_settings.py`` rewrites them, a unit test checks them).
 
 Adding a queue setting: one row here, a field of the same name on `QueuePolicy`
-(``core/queue.py``; a unit test checks that they agree), and the code that reads it.
+(``core/queue.py``; a unit test checks that they agree), the code that reads it, then
+run ``scripts/sync_queue_settings.py`` (the example config) and, for a queue option,
+add its row to the README's option table (a unit test checks that too).
 
 Only the stdlib is imported here: the CLI imports this table at start-up.
 """
@@ -27,6 +29,7 @@ Only the stdlib is imported here: the CLI imports this table at start-up.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
@@ -50,6 +53,7 @@ __all__ = [
     "QueueSetting",
     "ValueType",
     "example_config_block",
+    "sync_example_config",
     "toml_value",
 ]
 
@@ -284,3 +288,42 @@ def example_config_block(setting: QueueSetting, width: int = 87) -> list[str]:
 
 
 _NBSP: Final = "\N{NO-BREAK SPACE}"
+
+
+def _block_span(lines: list[str], key: str) -> tuple[int, int] | None:
+    """Where the block documenting `key` is in `lines` (start, end), or None: the
+    ``# key = value`` line and the prose comment lines right above it."""
+    found = [i for i, line in enumerate(lines) if re.match(rf"# {re.escape(key)} = ", line)]
+    if len(found) > 1:
+        raise ValueError(f"the example config documents {key} {len(found)} times")
+    if not found:
+        return None
+    start = found[0]
+    while start > 0 and _prose(lines[start - 1]):
+        start -= 1
+    return start, found[0] + 1
+
+
+def _prose(line: str) -> bool:
+    # not a section heading ("# -- ..."), an indented example or another key
+    return (
+        line.startswith("# ")
+        and not line.startswith(("# --", "#  "))
+        and not re.match(r"# [a-z_]+ = ", line)
+    )
+
+
+def sync_example_config(text: str) -> str:
+    """`text` (``config/amqbroker.toml``) with each queue setting's block as
+    `example_config_block` writes it; a setting it lacks is added after the block of
+    the setting before it in `QUEUE_SETTINGS` (``scripts/sync_queue_settings.py``)."""
+    lines = text.split("\n")
+    for i, setting in enumerate(QUEUE_SETTINGS):
+        span = _block_span(lines, setting.address_setting)
+        if span is None:
+            before = _block_span(lines, QUEUE_SETTINGS[i - 1].address_setting) if i else None
+            if before is None:
+                raise ValueError(f"no place for {setting.address_setting} in the example")
+            span = (before[1], before[1])
+        lines[span[0] : span[1]] = example_config_block(setting)
+    return "\n".join(lines)

@@ -34,6 +34,7 @@ from amqbroker.core.queue_settings import (
     SETTINGS_BY_NAME,
     QueueSetting,
     example_config_block,
+    sync_example_config,
 )
 from amqbroker.protocol.management.entities import QUEUE, QUEUE_OPTIONS
 
@@ -175,11 +176,32 @@ def test_cli_flags_come_from_the_table() -> None:
 # ------------------------------------------------------------------------------ docs
 
 
+EXAMPLE = ROOT / "config" / "amqbroker.toml"
+
+
 @pytest.mark.parametrize("setting", QUEUE_SETTINGS, ids=lambda s: s.name)
 def test_example_config_documents_the_setting_as_the_table_says(setting: QueueSetting) -> None:
-    text = (ROOT / "config" / "amqbroker.toml").read_text(encoding="utf-8")
     block = "\n".join(example_config_block(setting))
-    assert f"\n{block}\n" in text, f"config/amqbroker.toml should carry:\n{block}"
+    assert f"\n{block}\n" in EXAMPLE.read_text(encoding="utf-8"), (
+        f"config/amqbroker.toml should carry (run scripts/sync_queue_settings.py):\n{block}"
+    )
+
+
+def test_example_config_is_in_sync_with_the_table() -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    assert sync_example_config(text) == text, "run scripts/sync_queue_settings.py"
+
+
+def test_sync_rewrites_a_stale_block_and_adds_a_missing_one() -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    owner = "\n".join(example_config_block(SETTINGS_BY_NAME["group_owner_policy"])) + "\n"
+    skip = example_config_block(SETTINGS_BY_NAME["group_skip_ahead"])
+    assert owner in text
+    damaged = text.replace(owner, "").replace(skip[0], "# An old description.\n# More of it.")
+    assert sync_example_config(damaged) == text
+    twice = text.replace(skip[-1], skip[-1] + "\n" + skip[-1])
+    with pytest.raises(ValueError, match="group_skip_ahead 2 times"):
+        sync_example_config(twice)
 
 
 def test_readme_lists_every_queue_option() -> None:

@@ -27,8 +27,9 @@ value came from: every problem it reports names the key, the bad value, its sour
 reported together in one `SettingsError`.
 
 Every broker limit is a named setting here; per-address policy lives in
-`amqbroker.core.address_settings`, authorisation rules (``roles``, ``security``) in
-`amqbroker.core.authz`.
+`amqbroker.core.address_settings` (its queue settings, the grouping and dispatch ones,
+are declared once in `amqbroker.core.queue_settings`), authorisation rules (``roles``,
+``security``) in `amqbroker.core.authz`.
 """
 
 from __future__ import annotations

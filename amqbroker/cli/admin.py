@@ -20,6 +20,7 @@ from amqbroker.cli.common import (
     table,
     talking,
 )
+from amqbroker.core.queue_settings import OPTIONS
 
 # ------------------------------------------------------------------------- check
 
@@ -208,36 +209,23 @@ def _text(v: Any) -> str:
 
 
 def _queue_options(f: Any) -> Any:
-    """The queue options of CREATE and UPDATE (only those given are sent)."""
-    specs: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-        (("--group-buckets",), {"type": int, "help": "hash groups into N buckets (-1 off)"}),
-        (("--group-rebalance/--no-group-rebalance",), {"default": None}),
-        (
-            ("--group-rebalance-pause-dispatch/--no-group-rebalance-pause-dispatch",),
-            {"default": None},
-        ),
-        (("--group-first-key",), {"help": "property marking a group's first message"}),
-        (("--exclusive/--no-exclusive",), {"default": None}),
-        (("--consumers-before-dispatch",), {"type": int}),
-        (("--delay-before-dispatch",), {"type": int, "help": "ms (-1 off)"}),
-    ]
-    for decl, kw in reversed(specs):
-        f = click.option(*decl, **kw)(f)
+    """The queue options of CREATE and UPDATE (only those given are sent), one flag
+    per queue option of the table (`amqbroker.core.queue_settings`)."""
+    for s in reversed(OPTIONS):
+        flag = s.cli_flag or f"--{s.option}"
+        kind: dict[str, Any] = {"type": int} if s.type.kind == "int" else {}
+        if s.type.kind == "bool":
+            flag = f"{flag}/--no-{flag.removeprefix('--')}"
+        f = click.option(flag, s.name, default=None, help=s.doc, **kind)(f)
     return f
 
 
-_OPTION_ATTRS = {
-    "group_buckets": "groupBuckets",
-    "group_rebalance": "groupRebalance",
-    "group_rebalance_pause_dispatch": "groupRebalancePauseDispatch",
-    "group_first_key": "groupFirstKey",
-    "exclusive": "exclusive",
-    "consumers_before_dispatch": "consumersBeforeDispatch",
-    "delay_before_dispatch": "delayBeforeDispatch",
-}
+_OPTION_ATTRS = {s.name: s.attribute or s.name for s in OPTIONS}
 
 
 def _option_body(opts: dict[str, Any]) -> dict[str, Any]:
+    """The management attributes of the queue options given on the command line (in
+    the order given)."""
     return {_OPTION_ATTRS[k]: v for k, v in opts.items() if k in _OPTION_ATTRS and v is not None}
 
 

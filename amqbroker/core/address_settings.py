@@ -17,6 +17,17 @@ What this module owns
   (``orders?group-buckets=1024&group-rebalance=true``) into `QueueOptions`;
   `queue_config` combines them with the resolved address settings into a `QueueConfig`.
 
+Where the fields come from
+--------------------------
+The queue settings (grouping, dispatch, delivery attempts) are declared once, in
+`amqbroker.core.queue_settings.QUEUE_SETTINGS`; the fields of
+`ResolvedAddressSettings` for them, `QueueOptions` (the rows that are queue options)
+and `QueueConfig` (every row) are generated from that table, and `_VALUE_TYPES` gives
+each value type its pydantic type. `ResolvedAddressSettings` declares the address's
+own settings (auto-creation, routing, dead letters, capacity, duplicate detection);
+`AddressSettings` has the same fields, each optional, derived from it. Static code
+reads queue settings from `QueuePolicy` (typed), not from these models.
+
 Wildcards (Artemis syntax)
 --------------------------
 An address is a sequence of words separated by ``.``. In a pattern, the word ``*``
@@ -43,29 +54,54 @@ default (`ResolvedAddressSettings`).
 
 Address options
 ---------------
-Recognised keys (kebab-case or snake_case, case-insensitive): group-buckets,
-group-rebalance, group-rebalance-pause-dispatch, group-first-key, exclusive,
-consumers-before-dispatch, delay-before-dispatch, plus the ActiveMQ Classic aliases
-consumersBeforeDispatchStarts (= consumers-before-dispatch) and
-timeBeforeDispatchStarts (= delay-before-dispatch). Keys and values are
-percent-decoded. Booleans are true/false/1/0 (case-insensitive). Decision D10: when
-the Classic alias consumersBeforeDispatchStarts is given a value > 0 and no delay is
-given, Classic's implicit delay of 1000 ms applies. Options given in the address
-override the address-setting defaults (``default_group_buckets`` and so on).
+Recognised keys (kebab-case or snake_case, case-insensitive): the ``option`` of each
+queue option in `QUEUE_SETTINGS` (group-buckets, group-rebalance,
+group-rebalance-pause-dispatch, group-first-key, exclusive, consumers-before-dispatch,
+delay-before-dispatch), plus its ActiveMQ Classic aliases consumersBeforeDispatchStarts
+(= consumers-before-dispatch) and timeBeforeDispatchStarts (= delay-before-dispatch).
+Keys and values are percent-decoded. Booleans are true/false/1/0 (case-insensitive).
+Decision D10: when the Classic alias consumersBeforeDispatchStarts is given a value > 0
+and no delay is given, Classic's implicit delay of 1000 ms applies. Options given in the
+address override the address-setting defaults (``default_group_buckets`` and so on).
 
-Only pydantic and the stdlib are imported here.
+Only pydantic, the stdlib and the queue settings table are imported here.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Annotated, Final, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple
 from urllib.parse import unquote
 
-from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    create_model,
+)
+
+from amqbroker.core.queue_settings import (
+    BOOL,
+    COUNT,
+    GROUP_BUCKETS,
+    MAX_DELIVERY_ATTEMPTS,
+    MILLIS,
+    MILLIS_OR_FOREVER,
+    OPTIONS,
+    OWNER_POLICY,
+    PROPERTY_NAME,
+    QUEUE_SETTINGS,
+    SETTINGS_BY_NAME,
+    ValueType,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+
+    from pydantic.fields import FieldInfo
 
 __all__ = [
     "DEFAULT_CACHE_SIZE",
@@ -94,8 +130,6 @@ __all__ = [
 DEFAULT_CACHE_SIZE: Final = 4096
 INT32_MAX: Final = 2**31 - 1
 CLASSIC_IMPLICIT_DELAY_MS: Final = 1000  # decision D10
-
-_T = TypeVar("_T")
 
 RoutingType = Literal["anycast", "multicast"]
 AddressFullPolicy = Literal["BLOCK", "FAIL", "PAGE"]
@@ -170,6 +204,18 @@ OwnerPolicy = Annotated[GroupOwnerPolicy, BeforeValidator(_owner_policy)]
 #: a concrete address name: no wildcards, no "?options"
 AddressName = Annotated[str, AfterValidator(_address_name)]
 
+#: the pydantic type of each value type of the queue settings table
+_VALUE_TYPES: Final[dict[ValueType, Any]] = {
+    BOOL: bool,
+    COUNT: Count,
+    MILLIS: Millis,
+    MILLIS_OR_FOREVER: MillisOrForever,
+    GROUP_BUCKETS: GroupBuckets,
+    MAX_DELIVERY_ATTEMPTS: MaxDeliveryAttempts,
+    PROPERTY_NAME: str,
+    OWNER_POLICY: OwnerPolicy,
+}
+
 
 def _kebab(name: str) -> str:
     return name.replace("_", "-")
@@ -189,10 +235,19 @@ TABLE_ENTRY_CONFIG: Final = ConfigDict(
 # ----------------------------------------------------------------------------- models
 
 
-class ResolvedAddressSettings(BaseModel):
-    """The policy for one address with every field decided (built-in defaults here)."""
+def _annotation(value_type: ValueType) -> Any:
+    """The pydantic type of a queue setting's value (`QUEUE_SETTINGS`)."""
+    annotation = _VALUE_TYPES[value_type]
+    return annotation | None if value_type.nullable else annotation
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+
+_FROZEN: Final = ConfigDict(frozen=True, extra="forbid")
+
+
+class _AddressOwnSettings(BaseModel):
+    """The settings of an address that are not queue settings, with their defaults."""
+
+    model_config = _FROZEN
 
     auto_create_addresses: bool = True
     auto_create_queues: bool = True
@@ -200,79 +255,80 @@ class ResolvedAddressSettings(BaseModel):
     auto_delete_queues: bool = True
     default_routing_type: Routing = "anycast"
     default_queue_durable: bool = True
-    #: deliveries before a message goes to the dead-letter address; -1 = unlimited
-    max_delivery_attempts: MaxDeliveryAttempts = 10
     dead_letter_address: AddressName | None = None
     expiry_address: AddressName | None = None
-    #: milliseconds a released/modified message waits before redelivery
-    redelivery_delay: Millis = 0
     #: bytes of messages the address may hold; -1 = unlimited
     max_size_bytes: SizeBytes = -1
     #: BLOCK: no producer credit while full; FAIL: reject; PAGE: page to disk
     address_full_policy: FullPolicy = "BLOCK"
-    #: -1 = one group table entry per group id, 0 = grouping off, N >= 1 = N buckets
-    default_group_buckets: GroupBuckets = -1
-    default_group_rebalance: bool = False
-    default_group_rebalance_pause_dispatch: bool = False
-    default_group_first_key: str | None = None
-    default_exclusive_queue: bool = False
-    default_consumers_before_dispatch: Count = 0
-    #: milliseconds to wait for consumers_before_dispatch; -1 = wait forever
-    default_delay_before_dispatch: MillisOrForever = -1
-    #: false reproduces Artemis's strict head-of-line blocking behind a busy group
-    group_skip_ahead: bool = True
-    group_id_from_application_properties: bool = True
-    group_owner_policy: OwnerPolicy = "round-robin"
-    group_unbind_on_undeliverable: bool = False
-    #: milliseconds a rebalance may pause dispatch; -1 = no limit
-    group_pause_dispatch_timeout: MillisOrForever = -1
     #: recent duplicate ids (message-id, or _AMQ_DUPL_ID) remembered per address;
     #: a message whose id is among them is accepted and dropped. 0 = off
     duplicate_detection_window: Count = 0
 
 
+if TYPE_CHECKING:
+    # the queue settings' fields are generated: static code reads them through
+    # QueuePolicy (or getattr with a table row), not through these models
+    _ResolvedFields = _AddressOwnSettings
+else:
+    _ResolvedFields = create_model(
+        "_ResolvedFields",
+        __base__=_AddressOwnSettings,
+        __module__=__name__,
+        **{
+            s.address_setting: (_annotation(s.type), Field(default=s.default, description=s.doc))
+            for s in QUEUE_SETTINGS
+        },
+    )
+
+
+class ResolvedAddressSettings(_ResolvedFields):
+    """The policy for one address with every field decided (built-in defaults here):
+    the address's own settings (`_AddressOwnSettings`), then one field per queue
+    setting (`amqbroker.core.queue_settings.QUEUE_SETTINGS`: grouping, dispatch,
+    max_delivery_attempts, redelivery_delay) under its ``address_setting`` key, with
+    the table's default."""
+
+    model_config = _FROZEN
+
+
 #: fields where "" on input means "explicitly none" (resolved to None)
-_CLEARABLE: Final = frozenset({"dead_letter_address", "expiry_address", "default_group_first_key"})
+_CLEARABLE: Final = frozenset(
+    {"dead_letter_address", "expiry_address"}
+    | {s.address_setting for s in QUEUE_SETTINGS if s.type.nullable}
+)
+#: input names accepted besides the field name and its kebab-case form
+_MORE_ALIASES: Final = {"default_routing_type": ("default-address-routing-type",)}
 
 
-class AddressSettings(BaseModel):
+def _unset(name: str, info: FieldInfo) -> tuple[Any, Any]:
+    """`AddressSettings`'s field for `ResolvedAddressSettings`'s `name`: optional."""
+    extra = _MORE_ALIASES.get(name, ())
+    alias = AliasChoices(name, _kebab(name), *extra) if extra else None
+    field = Field(default=None, validation_alias=alias, description=info.description)
+    return (info.rebuild_annotation() | None, field)
+
+
+if TYPE_CHECKING:
+    _AddressSettingFields = BaseModel
+else:
+    _AddressSettingFields = create_model(
+        "_AddressSettingFields",
+        __config__=TABLE_ENTRY_CONFIG,
+        __module__=__name__,
+        **{n: _unset(n, i) for n, i in ResolvedAddressSettings.model_fields.items()},
+    )
+
+
+class AddressSettings(_AddressSettingFields):
     """One ``address_settings`` entry; ``None`` = inherit from a less specific pattern.
 
-    See `ResolvedAddressSettings` for meanings and built-in defaults. Accepts snake_case
-    and Artemis kebab-case keys; unknown keys are an error.
+    Its fields are those of `ResolvedAddressSettings`, each optional (derived, not
+    declared again). Accepts snake_case and Artemis kebab-case keys
+    (``default-address-routing-type`` too); unknown keys are an error.
     """
 
     model_config = TABLE_ENTRY_CONFIG
-
-    auto_create_addresses: bool | None = None
-    auto_create_queues: bool | None = None
-    auto_delete_queues: bool | None = None
-    default_routing_type: Routing | None = Field(
-        default=None,
-        validation_alias=AliasChoices(
-            "default_routing_type", "default-routing-type", "default-address-routing-type"
-        ),
-    )
-    default_queue_durable: bool | None = None
-    max_delivery_attempts: MaxDeliveryAttempts | None = None
-    dead_letter_address: AddressName | None = None
-    expiry_address: AddressName | None = None
-    redelivery_delay: Millis | None = None
-    max_size_bytes: SizeBytes | None = None
-    address_full_policy: FullPolicy | None = None
-    default_group_buckets: GroupBuckets | None = None
-    default_group_rebalance: bool | None = None
-    default_group_rebalance_pause_dispatch: bool | None = None
-    default_group_first_key: str | None = None
-    default_exclusive_queue: bool | None = None
-    default_consumers_before_dispatch: Count | None = None
-    default_delay_before_dispatch: MillisOrForever | None = None
-    group_skip_ahead: bool | None = None
-    group_id_from_application_properties: bool | None = None
-    group_owner_policy: OwnerPolicy | None = None
-    group_unbind_on_undeliverable: bool | None = None
-    group_pause_dispatch_timeout: MillisOrForever | None = None
-    duplicate_detection_window: Count | None = None
 
     def set_fields(self) -> dict[str, object]:
         """The fields this entry sets (not None), by field name."""
@@ -431,72 +487,58 @@ class AddressSettingsRepository:
 # ----------------------------------------------------------------------- address options
 
 
-class QueueOptions(BaseModel):
-    """Queue options given in an address string; None = not given."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    group_buckets: GroupBuckets | None = None
-    group_rebalance: bool | None = None
-    group_rebalance_pause_dispatch: bool | None = None
-    group_first_key: str | None = None
-    exclusive: bool | None = None
-    consumers_before_dispatch: Count | None = None
-    delay_before_dispatch: MillisOrForever | None = None
-
-
-class QueueConfig(BaseModel):
-    """A queue's grouping/dispatch configuration with every field decided."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    group_buckets: GroupBuckets
-    group_rebalance: bool
-    group_rebalance_pause_dispatch: bool
-    group_first_key: str | None
-    exclusive: bool
-    consumers_before_dispatch: Count
-    #: milliseconds; -1 = wait forever for consumers_before_dispatch
-    delay_before_dispatch: MillisOrForever
+if TYPE_CHECKING:
+    _QueueOptionFields = BaseModel
+    _QueueConfigFields = BaseModel
+else:
+    _QueueOptionFields = create_model(
+        "_QueueOptionFields",
+        __config__=_FROZEN,
+        __module__=__name__,
+        **{s.name: (_annotation(s.type) | None, None) for s in OPTIONS},
+    )
+    _QueueConfigFields = create_model(
+        "_QueueConfigFields",
+        __config__=_FROZEN,
+        __module__=__name__,
+        **{s.name: (_annotation(s.type), s.default) for s in QUEUE_SETTINGS},
+    )
 
 
-_CANONICAL_KEYS: Final = (
-    "group-buckets",
-    "group-rebalance",
-    "group-rebalance-pause-dispatch",
-    "group-first-key",
-    "exclusive",
-    "consumers-before-dispatch",
-    "delay-before-dispatch",
-)
+class QueueOptions(_QueueOptionFields):
+    """Queue options given in an address string; None = not given. One field per
+    queue option of `QUEUE_SETTINGS` (``group_buckets``, ``exclusive``, ...)."""
+
+    model_config = _FROZEN
+
+
+class QueueConfig(_QueueConfigFields):
+    """A queue's settings with every field decided (`queue_config`): one field per
+    row of `QUEUE_SETTINGS`, by its name, what `QueuePolicy` is built from."""
+
+    model_config = _FROZEN
+
+
 _CLASSIC_CONSUMERS: Final = "consumersBeforeDispatchStarts"
-_CLASSIC_DELAY: Final = "timeBeforeDispatchStarts"
 #: every key parse_address_options accepts, as documented (case-insensitive on input)
-QUEUE_OPTION_KEYS: Final = (*_CANONICAL_KEYS, _CLASSIC_CONSUMERS, _CLASSIC_DELAY)
+QUEUE_OPTION_KEYS: Final = (
+    *(s.option for s in OPTIONS if s.option),
+    *(alias for s in OPTIONS for alias in s.option_aliases),
+)
 
 _KEY_TO_FIELD: Final[dict[str, str]] = {
-    **{k: k.replace("-", "_") for k in _CANONICAL_KEYS},
-    **{k.replace("-", "_"): k.replace("-", "_") for k in _CANONICAL_KEYS},
-    _CLASSIC_CONSUMERS.lower(): "consumers_before_dispatch",
-    _CLASSIC_DELAY.lower(): "delay_before_dispatch",
+    key.lower(): s.name for s in OPTIONS for key in (s.option or s.name, s.name, *s.option_aliases)
 }
-
-_INT_OPTIONS: Final[dict[str, tuple[int, str]]] = {
-    # field -> (minimum, what is allowed)
-    "group_buckets": (-1, "-1 (one entry per group), 0 (grouping off) or N >= 1 buckets"),
-    "consumers_before_dispatch": (0, "a whole number >= 0"),
-    "delay_before_dispatch": (-1, "milliseconds >= 0, or -1 to wait forever"),
-}
-_BOOL_OPTIONS: Final = frozenset({"group_rebalance", "group_rebalance_pause_dispatch", "exclusive"})
 _BOOLS: Final = {"true": True, "1": True, "false": False, "0": False}
 
 
 def _valid_keys_text() -> str:
+    aliases = [alias for s in OPTIONS for alias in s.option_aliases]
     return (
         "valid keys: "
-        + ", ".join(_CANONICAL_KEYS)
-        + f" (snake_case also accepted), and the ActiveMQ Classic aliases {_CLASSIC_CONSUMERS}"
-        + f" and {_CLASSIC_DELAY}"
+        + ", ".join(s.option for s in OPTIONS if s.option)
+        + " (snake_case also accepted), and the ActiveMQ Classic aliases "
+        + " and ".join(aliases)
     )
 
 
@@ -548,52 +590,42 @@ def parse_address_options(address: str) -> tuple[str, QueueOptions]:
 
 
 def _option_value(address: str, key: str, field: str, value: str) -> object:
+    value_type = SETTINGS_BY_NAME[field].type
+
     def bad(allowed: str) -> ValueError:
         return ValueError(
             f"queue option {key}={value!r} in address {address!r}: must be {allowed}; "
             f"{_valid_keys_text()}"
         )
 
-    if field in _BOOL_OPTIONS:
+    if value_type.kind == "bool":
         parsed = _BOOLS.get(value.lower())
         if parsed is None:
-            raise bad("true, false, 1 or 0")
+            raise bad(value_type.allowed)
         return parsed
-    if field in _INT_OPTIONS:
-        minimum, allowed = _INT_OPTIONS[field]
+    if value_type.kind == "int":
         try:
             number = int(value, 10)
         except ValueError:
-            raise bad(allowed) from None
-        if not minimum <= number <= INT32_MAX:
-            raise bad(allowed + f" (at most {INT32_MAX})")
+            raise bad(value_type.allowed) from None
+        if not value_type.minimum <= number <= INT32_MAX:
+            raise bad(value_type.allowed + f" (at most {INT32_MAX})")
         return number
-    # group_first_key
+    if value_type.kind == "choice":
+        choice = value.lower().replace("_", "-")
+        if choice not in value_type.choices:
+            raise bad(value_type.allowed)
+        return choice
     if not value:
-        raise bad("a non-empty message property name")
+        raise bad(value_type.allowed)
     return value
 
 
-def _pick(option: _T | None, default: _T) -> _T:
-    return default if option is None else option
-
-
 def queue_config(resolved: ResolvedAddressSettings, options: QueueOptions) -> QueueConfig:
-    """A queue's configuration: address-string `options` override the address defaults."""
-
-    return QueueConfig(
-        group_buckets=_pick(options.group_buckets, resolved.default_group_buckets),
-        group_rebalance=_pick(options.group_rebalance, resolved.default_group_rebalance),
-        group_rebalance_pause_dispatch=_pick(
-            options.group_rebalance_pause_dispatch,
-            resolved.default_group_rebalance_pause_dispatch,
-        ),
-        group_first_key=_pick(options.group_first_key, resolved.default_group_first_key),
-        exclusive=_pick(options.exclusive, resolved.default_exclusive_queue),
-        consumers_before_dispatch=_pick(
-            options.consumers_before_dispatch, resolved.default_consumers_before_dispatch
-        ),
-        delay_before_dispatch=_pick(
-            options.delay_before_dispatch, resolved.default_delay_before_dispatch
-        ),
-    )
+    """A queue's settings: address-string `options` override the address defaults,
+    the other queue settings are the address's."""
+    values: dict[str, object] = {}
+    for s in QUEUE_SETTINGS:
+        given = getattr(options, s.name) if s.option else None
+        values[s.name] = getattr(resolved, s.address_setting) if given is None else given
+    return QueueConfig.model_validate(values)

@@ -160,23 +160,11 @@ class Broker:
         return self.settings_repo.resolve(address)
 
     def _policy(self, address: str, options: QueueOptions | None) -> QueuePolicy:
-        r = self.resolve(address)
-        qc = queue_config(r, options or QueueOptions())
+        """The queue settings (`queue_config`, one field per row of QUEUE_SETTINGS)
+        plus the broker-wide dispatch tuning."""
+        qc = queue_config(self.resolve(address), options or QueueOptions())
         return QueuePolicy(
-            group_buckets=qc.group_buckets,
-            group_rebalance=qc.group_rebalance,
-            group_rebalance_pause_dispatch=qc.group_rebalance_pause_dispatch,
-            group_first_key=qc.group_first_key,
-            exclusive=qc.exclusive,
-            consumers_before_dispatch=qc.consumers_before_dispatch,
-            delay_before_dispatch=qc.delay_before_dispatch,
-            group_skip_ahead=r.group_skip_ahead,
-            group_owner_policy=r.group_owner_policy,
-            group_unbind_on_undeliverable=r.group_unbind_on_undeliverable,
-            group_pause_dispatch_timeout=r.group_pause_dispatch_timeout,
-            group_id_from_application_properties=r.group_id_from_application_properties,
-            max_delivery_attempts=r.max_delivery_attempts,
-            redelivery_delay=r.redelivery_delay,
+            **qc.model_dump(),
             dispatch_batch=self.dispatch_batch,
             age_resolution=self.age_resolution,
             age_marks=self.age_marks,

@@ -24,6 +24,7 @@ from amqbroker.core.address import ANYCAST, MULTICAST, Address
 from amqbroker.core.address_settings import QueueOptions, parse_address_options
 from amqbroker.core.errors import BrokerError
 from amqbroker.core.queue import Queue
+from amqbroker.core.queue_settings import OPTIONS, SETTINGS_BY_NAME
 from amqbroker.protocol.links import ConsumerLink
 from amqbroker.protocol.management.base import (
     BAD_REQUEST,
@@ -226,20 +227,13 @@ ADDRESS = EntityType(
 
 
 # ------------------------------------------------------------------------- queue
-#: queue attribute (camelCase) -> QueueOptions field; also accepted as the README's
-#: address-string keys (group-buckets) and snake_case
-QUEUE_OPTIONS = {
-    "groupBuckets": "group_buckets",
-    "groupRebalance": "group_rebalance",
-    "groupRebalancePauseDispatch": "group_rebalance_pause_dispatch",
-    "groupFirstKey": "group_first_key",
-    "exclusive": "exclusive",
-    "consumersBeforeDispatch": "consumers_before_dispatch",
-    "delayBeforeDispatch": "delay_before_dispatch",
-}
+#: queue attribute (camelCase) -> QueueOptions field, from the table of queue settings
+#: (`amqbroker.core.queue_settings`); also accepted as the address-string keys
+#: (group-buckets) and snake_case
+QUEUE_OPTIONS = {s.attribute: s.name for s in OPTIONS if s.attribute}
 _OPTION_FIELD = {
     **{k.lower(): v for k, v in QUEUE_OPTIONS.items()},
-    **{v.replace("_", "-"): v for v in QUEUE_OPTIONS.values()},
+    **{s.option: s.name for s in OPTIONS if s.option},
     **{v: v for v in QUEUE_OPTIONS.values()},
 }
 
@@ -260,7 +254,7 @@ def _options_in(body: dict[str, Any], base: dict[str, Any]) -> tuple[QueueOption
         else:
             values[f] = value
     query = "&".join(
-        f"{f.replace('_', '-')}={str(v).lower() if isinstance(v, bool) else v}"
+        f"{SETTINGS_BY_NAME[f].option}={str(v).lower() if isinstance(v, bool) else v}"
         for f, v in values.items()
     )
     try:
@@ -292,13 +286,7 @@ def _queue_read(ctx: Context, q: Queue) -> dict[str, Any]:
         "messagesKilled": q.dead_lettered,
         "consumerCount": q.consumer_count,
         "groupCount": q.group_count(),
-        "groupBuckets": p.group_buckets,
-        "groupRebalance": p.group_rebalance,
-        "groupRebalancePauseDispatch": p.group_rebalance_pause_dispatch,
-        "groupFirstKey": p.group_first_key,
-        "exclusive": p.exclusive,
-        "consumersBeforeDispatch": p.consumers_before_dispatch,
-        "delayBeforeDispatch": p.delay_before_dispatch,
+        **{attribute: getattr(p, name) for attribute, name in QUEUE_OPTIONS.items()},
         "dispatching": q.dispatching,
         "firstMessageAge": ms(ctx.broker.clock() - arrived) if arrived is not None else None,
         "stuckGroups": q.statistics()["stuck_groups"],
@@ -376,13 +364,7 @@ def _queue_type() -> EntityType:
             "messagesKilled",
             "consumerCount",
             "groupCount",
-            "groupBuckets",
-            "groupRebalance",
-            "groupRebalancePauseDispatch",
-            "groupFirstKey",
-            "exclusive",
-            "consumersBeforeDispatch",
-            "delayBeforeDispatch",
+            *QUEUE_OPTIONS,
             "dispatching",
             "firstMessageAge",
             "stuckGroups",

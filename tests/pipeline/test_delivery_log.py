@@ -23,8 +23,9 @@ from amqbroker.settings import Settings
 from amqbroker.store.delivery_log import DeliveryLogWriter
 from tests.client import Client, wait_until
 from tests.conftest import StoppableFactory
+from tests.pipeline.conftest import require_module
 
-pq = pytest.importorskip("pyarrow.parquet")
+pq = require_module("pyarrow.parquet")
 
 Run = Callable[..., Awaitable[tuple[BrokerApp, trio.Event]]]
 

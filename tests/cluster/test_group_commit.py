@@ -94,6 +94,15 @@ async def test_proposals_during_a_commit_form_the_next_batch(
     a, lg = durable_leader(tmp_path, events)
     link = acking(events)
     answered: list[str] = []
+    first_sent = trio.Event()
+    send = link.send
+
+    def send_and_note(peer: str, body: dict[str, Any], on_answer: Any) -> bool:
+        ok = send(peer, body, on_answer)
+        first_sent.set()
+        return ok
+
+    link.send = send_and_note  # type: ignore[method-assign]
 
     async def propose(key: str) -> None:
         await a.propose(key, "node1", "q")
@@ -109,8 +118,11 @@ async def test_proposals_during_a_commit_form_the_next_batch(
         async with trio.open_nursery() as proposers:
             for i in range(3):
                 proposers.start_soon(propose, f"first{i}.q")
-            await trio.sleep(0.25)  # the first batch is waiting for the backup
-            assert a.batches == 0 and not answered
+            # the first batch is synced and sent, waiting for the backup's answer (no
+            # trio deadline: the fsync runs in a thread, which the autojump clock does
+            # not wait for; the module's pytest timeout bounds the wait)
+            await first_sent.wait()
+            assert len(link.sent) == 1 and a.batches == 0 and not answered
             for i in range(4):
                 proposers.start_soon(propose, f"second{i}.q")
         n.cancel_scope.cancel()

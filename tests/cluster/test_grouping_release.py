@@ -30,6 +30,7 @@ from amqbroker.app import BrokerApp
 from amqbroker.cluster.arbiter import Binding
 from amqbroker.cluster.decisions import BIND, Decision, DecisionLog
 from amqbroker.cluster.node import ClusterNode
+from amqbroker.core.address import ANYCAST
 from tests.cluster.cluster_helpers import free_port
 from tests.conftest import BrokerFactory, ClientFactory
 from tests.integration import mgmt
@@ -91,6 +92,20 @@ async def until(pred: Any, timeout: float = 10) -> None:
             if pred():
                 return
             await trio.sleep(0.02)
+
+
+async def announcements(apps: dict[str, BrokerApp], source: str, n: int = 3) -> None:
+    """`source` announces its topology `n` more times (a node announces when its
+    queues change: each round declares a queue there), and every other node has
+    received each announcement (and run its checks on it) before the next."""
+    for i in range(n):
+        peers = [node(app).peers[source] for name, app in apps.items() if name != source]
+        seen = [p.announced_at for p in peers]
+        b = apps[source].broker
+        assert b is not None
+        b.create_address(f"announce.probe{i}", ANYCAST, durable=False)
+        pairs = list(zip(peers, seen, strict=True))
+        await until(lambda pairs=pairs: all(p.announced_at != t for p, t in pairs))
 
 
 def gmsg(group: str, seq: int) -> Message:
@@ -271,7 +286,7 @@ async def test_remote_warns_when_its_group_timeout_exceeds_half_the_arbiters(
     make_broker: BrokerFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "amqbroker.cluster")
-    await start_cluster(
+    apps = await start_cluster(
         make_broker,
         tmp_path,
         {
@@ -280,7 +295,7 @@ async def test_remote_warns_when_its_group_timeout_exceeds_half_the_arbiters(
             "node3": {"grouping_group_timeout": 5000},  # = half: fine
         },
     )
-    await trio.sleep(0.2)  # a few announcements more: the warning is given once
+    await announcements(apps, "node1")  # a few more: the warning is given once
     warned = [r.getMessage() for r in caplog.records if "more than half" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "node2" in warned[0] and "6000" in warned[0] and "10000" in warned[0]
@@ -291,12 +306,12 @@ async def test_remote_without_group_timeout_warns_when_the_arbiter_expires_group
     make_broker: BrokerFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "amqbroker.cluster")
-    await start_cluster(
+    apps = await start_cluster(
         make_broker,
         tmp_path,
         {"node1": {"grouping_group_timeout": 10000}, "node2": {}},
     )
-    await trio.sleep(0.1)
+    await announcements(apps, "node1")
     warned = [r.getMessage() for r in caplog.records if "more than half" in r.getMessage()]
     assert len(warned) == 1 and "node2" in warned[0], warned
 
@@ -305,8 +320,8 @@ async def test_no_warning_when_the_arbiter_never_expires_groups(
     make_broker: BrokerFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "amqbroker.cluster")
-    await start_cluster(
+    apps = await start_cluster(
         make_broker, tmp_path, {"node1": {}, "node2": {"grouping_group_timeout": 60000}}
     )
-    await trio.sleep(0.1)
+    await announcements(apps, "node1")
     assert "more than half" not in caplog.text

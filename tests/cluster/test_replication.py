@@ -92,17 +92,21 @@ async def test_backup_with_a_higher_epoch_fences_the_arbiter(autojump_clock: Any
         r, fenced = replicator(a, link)
         r.set_target("node2")
         waiter_result: list[BaseException] = []
+        second_done = trio.Event()
 
         async def second() -> None:  # a concurrent proposal for the same key
             try:
                 await a.propose("g.q", "node1", "q")
             except NotArbiter as exc:
                 waiter_result.append(exc)
+            finally:
+                second_done.set()
 
         n.start_soon(second)
         with pytest.raises(NotArbiter):
             await a.propose("g.q", "node3", "q")
-        await trio.sleep(0.1)
+        with trio.fail_after(5):
+            await second_done.wait()
         n.cancel_scope.cancel()
     assert fenced == [4]
     assert "g.q" not in a.bindings  # never answered, not bound
@@ -141,9 +145,12 @@ async def test_replica_store_refuses_a_stale_epoch_and_applies_snapshots_in_orde
 
     store = ReplicaStore(backup, check, lambda: None, in_thread=False)
     answers: list[tuple[int, Any]] = []
+    all_answered = trio.Event()
 
     def respond(status: int, desc: str, body: Any) -> None:
         answers.append((status, body))
+        if len(answers) == 5:
+            all_answered.set()
 
     def bind(key: str, node: str, epoch: int = 5) -> dict[str, Any]:
         return Decision(BIND, key, node, "q", epoch).to_dict()
@@ -156,7 +163,8 @@ async def test_replica_store_refuses_a_stale_epoch_and_applies_snapshots_in_orde
         store.submit("node2", bind("c.q", "node2"), respond)
         batch = {"epoch": 5, "decisions": [bind("d.q", "node3"), bind("e.q", "node1")]}
         store.submit("node2", batch, respond)  # the arbiter's group commit: one message
-        await trio.sleep(0.1)
+        with trio.fail_after(5):
+            await all_answered.wait()
         n.cancel_scope.cancel()
     assert answers[0] == (409, {"epoch": 5})
     assert [s for s, _ in answers[1:]] == [200, 200, 200, 200]

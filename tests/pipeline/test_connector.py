@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.pipeline.conftest import SyncBroker
+from tests.pipeline.conftest import SyncBroker, require_module
 
 pytestmark = pytest.mark.timeout(600)  # a JVM on a shared 2-core machine
 
@@ -200,7 +200,7 @@ def test_committed_micro_batch_is_accepted_at_once(broker):
     """commit(end) sends the accepts right away, not with the next receive (a quiet
     stream would otherwise keep a committed batch unsettled, to be redelivered by a
     crash)."""
-    pytest.importorskip("pyspark")
+    require_module("pyspark")
     from amqbroker.pipeline.connector import AmqbrokerStreamReader
 
     address = "spark.commit"
@@ -236,7 +236,7 @@ def test_killed_stream_reader_returns_at_most_a_micro_batch(broker):
     """The reader's credit is bounded by max_batch: the broker never has more than
     that out to it unsettled, so killing it redelivers (delivery-count + 1) only the
     uncommitted micro-batch, not a whole prefetch window."""
-    pytest.importorskip("pyspark")
+    require_module("pyspark")
     from proton.utils import BlockingConnection
 
     address, total, batch = "spark.killed", 60, 10

@@ -23,8 +23,9 @@ from amqbroker.settings import Settings
 from amqbroker.store.delivery_log import DeliveryLogWriter
 from tests.client import Client, wait_until
 from tests.conftest import StoppableFactory
+from tests.pipeline.conftest import require_module
 
-pq = pytest.importorskip("pyarrow.parquet")
+pq = require_module("pyarrow.parquet")
 
 Run = Callable[..., Awaitable[tuple[BrokerApp, trio.Event]]]
 
@@ -188,7 +189,10 @@ async def test_rotation_bound_and_restart(run: Run, tmp_path: Path) -> None:
             for batch in range(5):
                 await s.send_many([msg(f"r{round_}-{batch}-{i}") for i in range(60)])
                 await r.receive_n(60)
-                await trio.sleep(0.06)  # let the writer take a batch: several files
+                # the writer takes this round's records as one batch: several files
+                w = app.dlog
+                assert w is not None
+                await wait_until(lambda w=w: w.pending == 0)
             total += 5 * 60
             await stop(app, done, [c])
             n.cancel_scope.cancel()

@@ -798,15 +798,26 @@ def test_random_text_only_raises_selector_error(text: str) -> None:
         assert 0 <= exc.position <= len(text)
         return
     fields: dict[str, object] = {"a": 1, "b": "x", "x": True, "y": 2.5}
-    assert sel.matches(fields) in {True, False}
-    assert sel.matches({}) in {True, False}
+    if not text.strip():
+        assert sel.matches(fields) is True  # a blank selector matches everything
+        return
+    negated = compile_selector(f"NOT ({text})")  # a valid selector can be negated
+    again = compile_selector(text)
+    for f in (fields, {}):
+        result = sel.matches(f)
+        # exactly a bool (a filter's answer), the same every time it is compiled
+        assert type(result) is bool, (text, f, result)
+        assert again.matches(f) is result, (text, f)
+        # TRUE and FALSE exclude each other: a message never matches both a
+        # selector and its negation (UNKNOWN matches neither)
+        assert not (result and negated.matches(f)), (text, f)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=40))
 def test_arbitrary_unicode_only_raises_selector_error(text: str) -> None:
     with contextlib.suppress(SelectorError):
-        compile_selector(text).matches({"a": 1})
+        assert type(compile_selector(text).matches({"a": 1})) is bool, text
 
 
 # --------------------------------------------------------------------------- selector_fields

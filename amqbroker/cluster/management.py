@@ -322,6 +322,8 @@ class ClusterManagement:
                     "forwarded": p.forwarded,
                     "bridgeCredit": p.consumer.credit if p.consumer else 0,
                     "bridgeUnsettled": len(p.consumer.unsettled) if p.consumer else 0,
+                    # the peer's queues and their consumers, as it last announced them
+                    "queues": dict(p.topology),
                 }
                 for p in self.peers.values()
             ],

@@ -95,6 +95,22 @@ class Cluster:
                         break
                     await trio.sleep(0.05)
 
+    async def wait_announced(
+        self, queue: str, consumers: dict[str, int], timeout: float = 15
+    ) -> None:
+        """Until every started node sees, for `queue`, at least `consumers[n]` consumers
+        announced by each other node n (clusterStatus: each peer's "queues"); routing
+        there takes the peers' consumers into account only once it has seen them."""
+        with trio.fail_after(timeout):
+            for viewer in self.proc:
+                want = {n: k for n, k in consumers.items() if n != viewer}
+                while True:
+                    st = await self.status(viewer)
+                    seen = {p["node"]: p["queues"].get(queue, 0) for p in st["peers"]}
+                    if all(seen.get(n, 0) >= k for n, k in want.items()):
+                        break
+                    await trio.sleep(0.05)
+
 
 async def mgmt(c: Client, operation: str, typ: str, body: Any = None) -> Any:
     reply = await c.receiver(None, dynamic=True, credit=1)

@@ -64,7 +64,7 @@ async def test_cluster_status_shows_nodes_links_arbiter_and_bindings(
     # groups decided through node2 (a REMOTE): the arbiter on node1 holds them
     c3 = await cluster.connect("node3")
     await c3.receiver("orders", credit=100)
-    await trio.sleep(0.3)
+    await cluster.wait_announced("orders", {"node3": 1})
     c2 = await cluster.connect("node2")
     s2 = await c2.sender("orders")
     await s2.send_many([Message(body=f"{g}", group_id=g, durable=True) for g in ("a", "b")])

@@ -37,7 +37,7 @@ async def test_groups_from_every_node_land_on_one_instance_in_order(cluster: Clu
     for n in NODES:
         clients[n] = await cluster.connect(n)
         consumers[n] = await clients[n].receiver("orders", credit=1000)
-    await trio.sleep(0.3)  # consumers announced to the peers
+    await cluster.wait_announced("orders", dict.fromkeys(NODES, 1))
     groups = [f"g{i}" for i in range(12)]
     per_node = 10
     for n in NODES:
@@ -92,7 +92,7 @@ async def test_ungrouped_prefers_local_consumers_then_balances(cluster: Cluster)
     c1, c2, c3 = [await cluster.connect(n) for n in NODES]
     r1 = await c1.receiver("jobs", credit=100)
     r2 = await c2.receiver("jobs", credit=100)
-    await trio.sleep(0.3)
+    await cluster.wait_announced("jobs", {"node1": 1, "node2": 1})
     s1 = await c1.sender("jobs")
     await s1.send_many([Message(body=f"a{i}") for i in range(20)])
     assert len(await drain(r1, 20)) == 20
@@ -135,7 +135,7 @@ async def test_cut_peer_link_keeps_order_and_loses_nothing(
     await cluster.wait_linked()
     c3 = await cluster.connect("node3")
     r3 = await c3.receiver("orders", credit=1000)
-    await trio.sleep(0.3)
+    await cluster.wait_announced("orders", {"node3": 1})
     c2 = await cluster.connect("node2")
     s2 = await c2.sender("orders")
     await s2.send_many([gmsg(g, k, "n2") for k in range(10) for g in ("x", "y")])

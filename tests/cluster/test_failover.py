@@ -172,7 +172,7 @@ async def test_sigkill_arbiter_mid_traffic_backup_takes_over_one_instance_per_gr
     epoch0 = await start_elected(zc)
     consumers = Consumers()
     await consumers.open(zc, ("node2", "node3"))  # node1 dies: own no queue there
-    await trio.sleep(0.3)  # consumers announced to the peers
+    await zc.wait_announced("orders", {"node2": 1, "node3": 1})
     rounds, kill_at = 30, 10
     reached = trio.Event()
     sent: dict[str, list[tuple[Delivery, Message]]] = {}
@@ -227,7 +227,7 @@ async def test_paused_arbiter_is_fenced_when_it_resumes(zc: Cluster) -> None:
     epoch0 = await start_elected(zc)
     consumers = Consumers()
     await consumers.open(zc, NODES)
-    await trio.sleep(0.3)
+    await zc.wait_announced("orders", dict.fromkeys(NODES, 1))
     c1 = await zc.connect("node1")
     s1 = await c1.sender("orders")
     c3 = await zc.connect("node3")

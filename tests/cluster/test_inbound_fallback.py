@@ -43,7 +43,7 @@ async def test_forwarded_messages_group_by_the_target_addresses_settings(
     c2 = await cluster.connect("node2")
     r1 = await c2.receiver("strict.q", credit=10)
     r2 = await c2.receiver("strict.q", credit=10)
-    await trio.sleep(0.3)  # node2's consumers announced: node1 forwards there
+    await cluster.wait_announced("strict.q", {"node2": 2})  # node1 forwards there
     async with await cluster.connect("node1") as c1:
         s = await c1.sender("strict.q")
         await s.send_many(

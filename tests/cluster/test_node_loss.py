@@ -111,7 +111,7 @@ async def run_node_loss(
         )
         await nursery.start(s.run, cluster)
         sessions.append(s)
-    await trio.sleep(0.3)  # consumers announced to the peers
+    await cluster.wait_announced("orders", dict.fromkeys(consumers, 1))
     accepted: dict[str, list[str]] = {n: [] for n in producers}
     refused: list[tuple[str, Any]] = []
     round_done = dict.fromkeys(producers, -1)
@@ -332,7 +332,7 @@ async def test_cut_links_to_a_node_keep_its_groups_there_in_order(
     sessions = [Session("node2"), Session("node3")]
     for s in sessions:
         await nursery.start(s.run, cluster)
-    await trio.sleep(0.3)
+    await cluster.wait_announced("orders", {"node2": 1, "node3": 1})
     producers = ("node1", "node2")
     accepted: dict[str, list[str]] = {n: [] for n in producers}
     round_done = dict.fromkeys(producers, -1)

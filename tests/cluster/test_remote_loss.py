@@ -107,7 +107,7 @@ async def test_killing_a_remote_node_keeps_order_ownership_and_messages(
         s = Session(n, credit=STALLED if n == "node3" else 5000)
         await nursery.start(s.run, cluster)
         sessions.append(s)
-    await trio.sleep(0.3)  # consumers announced to the peers
+    await cluster.wait_announced("orders", {"node2": 1, "node3": 1})
 
     accepted: dict[str, list[str]] = {"node1": [], "node2": []}
     refused: list[tuple[str, Any]] = []

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import socket
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import trio
 from proton import Message
 
-from tests.client import Client
+from tests.client import Client, ClientError
 from tests.integration.broker_process import BrokerProcess, BrokerProcesses
 
 NODES = ("node1", "node2", "node3")
@@ -110,6 +112,59 @@ class Cluster:
                     if all(seen.get(n, 0) >= k for n, k in want.items()):
                         break
                     await trio.sleep(0.05)
+
+
+@asynccontextmanager
+async def running_cluster(
+    nursery: trio.Nursery, root: Path, env: dict[str, str] | None = None
+) -> AsyncIterator[Cluster]:
+    """A `Cluster` (nothing started yet) whose nodes get `env` on top of the defaults;
+    on exit the clients a test left open are aborted and every node is stopped."""
+    procs = BrokerProcesses(nursery, cwd=root)
+    c = Cluster(procs, root, nursery)
+    c.extra_env = dict(env or {})
+    try:
+        yield c
+    finally:
+        c.abort_clients()
+        await procs.aclose()
+
+
+def zk_env(hosts: str, path: str, session_ms: int = 1000) -> dict[str, str]:
+    """The settings that make the nodes elect the arbiter in ZooKeeper at `hosts`."""
+    return {
+        "AMQBROKER_CLUSTER_ZOOKEEPER": hosts,
+        "AMQBROKER_CLUSTER_ZOOKEEPER_PATH": path,
+        "AMQBROKER_CLUSTER_ZOOKEEPER_SESSION_TIMEOUT": str(session_ms),
+        "AMQBROKER_CLUSTER_ZOOKEEPER_RECONNECT_MAX_DELAY": "200",
+    }
+
+
+class Session:
+    """One consumer connection on one node, accepting what it gets, in arrival order
+    (bodies and delivery counts); the messages past `settle_first` it keeps unsettled."""
+
+    def __init__(self, node: str, credit: int = 5000, settle_first: int | None = None) -> None:
+        self.node = node
+        self.credit = credit
+        self.settle_first = settle_first
+        self.bodies: list[str] = []
+        self.counts: list[int] = []
+        self.client: Client | None = None
+
+    async def run(self, cluster: Cluster, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.client = await cluster.connect(self.node)
+        r = await self.client.receiver("orders", credit=self.credit)
+        task_status.started()
+        try:
+            while True:
+                m = await r.receive(timeout=3600)
+                if self.settle_first is None or len(self.bodies) < self.settle_first:
+                    r.accept(m)
+                self.bodies.append(str(m.body))
+                self.counts.append(int(m.message.delivery_count))
+        except ClientError:
+            return  # the node went away
 
 
 async def mgmt(c: Client, operation: str, typ: str, body: Any = None) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +19,8 @@ from click.testing import CliRunner, Result
 from proton import Message
 
 from tests.cluster.cluster_helpers import Cluster, TcpProxy
-from tests.integration.broker_process import BrokerProcesses
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    try:
-        yield Cluster(procs, tmp_path, nursery)
-    finally:
-        await procs.aclose()
 
 
 async def cli(*args: str) -> Result:

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 import trio
 from proton import Delivery, Message
 
 from tests.client import Received
 from tests.cluster.cluster_helpers import NODES, Cluster, TcpProxy, mgmt
-from tests.integration.broker_process import BrokerProcesses
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    try:
-        yield Cluster(procs, tmp_path, nursery)
-    finally:
-        await procs.aclose()
 
 
 def gmsg(group: str, seq: int, src: str) -> Message:

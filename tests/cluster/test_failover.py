@@ -27,9 +27,8 @@ import trio
 from proton import Delivery, Message
 
 from tests.client import Client, Received
-from tests.cluster.cluster_helpers import NODES, Cluster, mgmt
-from tests.cluster.zk_harness import ZooKeeperServer, zk_path, zookeeper  # noqa: F401
-from tests.integration.broker_process import BrokerProcesses
+from tests.cluster.cluster_helpers import NODES, Cluster, mgmt, running_cluster, zk_env
+from tests.cluster.zk_harness import ZooKeeperServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,25 +38,12 @@ WAIT = 30.0
 
 @pytest.fixture
 async def zc(
-    nursery: trio.Nursery,
-    tmp_path: Path,
-    zookeeper: ZooKeeperServer,  # noqa: F811
-    zk_path: str,  # noqa: F811
+    nursery: trio.Nursery, tmp_path: Path, zookeeper: ZooKeeperServer, zk_path: str
 ) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    c = Cluster(procs, tmp_path, nursery)
-    c.extra_env = {
-        "AMQBROKER_CLUSTER_ZOOKEEPER": zookeeper.hosts,
-        "AMQBROKER_CLUSTER_ZOOKEEPER_PATH": zk_path,
-        "AMQBROKER_CLUSTER_ZOOKEEPER_SESSION_TIMEOUT": str(SESSION_MS),
-        "AMQBROKER_CLUSTER_ZOOKEEPER_RECONNECT_MAX_DELAY": "200",
-        # new groups wait out the takeover instead of being rejected
-        "AMQBROKER_GROUPING_TIMEOUT": "20000",
-    }
-    try:
+    # new groups wait out the takeover instead of being rejected
+    env = zk_env(zookeeper.hosts, zk_path, SESSION_MS) | {"AMQBROKER_GROUPING_TIMEOUT": "20000"}
+    async with running_cluster(nursery, tmp_path, env) as c:
         yield c
-    finally:
-        await procs.aclose()
 
 
 async def wait_status(

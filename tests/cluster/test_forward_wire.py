@@ -8,27 +8,13 @@ cluster can be upgraded one node at a time, and deliver the original bytes uncha
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
-import trio
 from proton import Delivery, Message, symbol
 
 from amqbroker.protocol.peer import BRIDGE_ID, BRIDGE_TARGET
 from tests.cluster.cluster_helpers import Cluster
-from tests.integration.broker_process import BrokerProcesses
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    try:
-        yield Cluster(procs, tmp_path, nursery)
-    finally:
-        await procs.aclose()
 
 
 def envelope(inner: bytes, bridge_id: str, *, data_section: bool) -> Message:

@@ -6,33 +6,23 @@ address's settings say false."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
-import trio
 from proton import Message
 
 from tests.cluster.cluster_helpers import Cluster
 from tests.integration import mgmt as mgmt_request
-from tests.integration.broker_process import BrokerProcesses
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    try:
-        c = Cluster(procs, tmp_path, nursery)
-        c.extra_env = {
-            "AMQBROKER_ADDRESS_SETTINGS": json.dumps(
-                {"strict.#": {"group_id_from_application_properties": False}}
-            )
-        }
-        yield c
-    finally:
-        await procs.aclose()
+def cluster_env() -> dict[str, str]:
+    return {
+        "AMQBROKER_ADDRESS_SETTINGS": json.dumps(
+            {"strict.#": {"group_id_from_application_properties": False}}
+        )
+    }
 
 
 async def test_forwarded_messages_group_by_the_target_addresses_settings(

@@ -35,11 +35,10 @@ import pytest
 import trio
 from proton import Delivery, Message
 
-from tests.client import Client, ClientError
-from tests.cluster.cluster_helpers import Cluster, TcpProxy, mgmt
+from tests.client import ClientError
+from tests.cluster.cluster_helpers import Cluster, Session, TcpProxy, mgmt, running_cluster, zk_env
 from tests.cluster.test_failover import start_elected, wait_status
-from tests.cluster.zk_harness import ZooKeeperServer, zk_path, zookeeper  # noqa: F401
-from tests.integration.broker_process import BrokerProcesses
+from tests.cluster.zk_harness import ZooKeeperServer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -52,33 +51,6 @@ DOWN_FOR = NODE_TIMEOUT + 2.5  # the node stays down well past the node timeout
 STALLED = 20  # credit of the doomed node's consumer: the rest stays stored there
 UNSETTLED = 3  # of which it leaves the last ones unsettled when its node dies
 WAIT = 40.0
-
-
-class Session:
-    """One consumer connection on one node, accepting what it gets, in arrival order;
-    the messages past `settle_first` it keeps unsettled."""
-
-    def __init__(self, node: str, credit: int = 5000, settle_first: int | None = None) -> None:
-        self.node = node
-        self.credit = credit
-        self.settle_first = settle_first
-        self.bodies: list[str] = []
-        self.counts: list[int] = []
-        self.client: Client | None = None
-
-    async def run(self, cluster: Cluster, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.client = await cluster.connect(self.node)
-        r = await self.client.receiver("orders", credit=self.credit)
-        task_status.started()
-        try:
-            while True:
-                m = await r.receive(timeout=3600)
-                if self.settle_first is None or len(self.bodies) < self.settle_first:
-                    r.accept(m)
-                self.bodies.append(str(m.body))
-                self.counts.append(int(m.message.delivery_count))
-        except ClientError:
-            return  # the node went away
 
 
 async def bindings(cluster: Cluster, node: str) -> dict[str, dict[str, Any]]:
@@ -249,15 +221,8 @@ async def run_node_loss(
 
 
 @pytest.fixture
-async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    c = Cluster(procs, tmp_path, nursery)
-    c.extra_env = {"AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT)}
-    try:
-        yield c
-    finally:
-        c.abort_clients()
-        await procs.aclose()
+def cluster_env() -> dict[str, str]:
+    return {"AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT)}
 
 
 async def test_a_lost_remote_nodes_groups_wait_for_it_in_order(
@@ -278,25 +243,11 @@ async def test_a_lost_remote_nodes_groups_wait_for_it_in_order(
 
 @pytest.fixture
 async def zc(
-    nursery: trio.Nursery,
-    tmp_path: Path,
-    zookeeper: ZooKeeperServer,  # noqa: F811
-    zk_path: str,  # noqa: F811
+    nursery: trio.Nursery, tmp_path: Path, zookeeper: ZooKeeperServer, zk_path: str
 ) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    c = Cluster(procs, tmp_path, nursery)
-    c.extra_env = {
-        "AMQBROKER_CLUSTER_ZOOKEEPER": zookeeper.hosts,
-        "AMQBROKER_CLUSTER_ZOOKEEPER_PATH": zk_path,
-        "AMQBROKER_CLUSTER_ZOOKEEPER_SESSION_TIMEOUT": "1000",
-        "AMQBROKER_CLUSTER_ZOOKEEPER_RECONNECT_MAX_DELAY": "200",
-        "AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT),
-    }
-    try:
+    env = zk_env(zookeeper.hosts, zk_path) | {"AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT)}
+    async with running_cluster(nursery, tmp_path, env) as c:
         yield c
-    finally:
-        c.abort_clients()
-        await procs.aclose()
 
 
 async def test_a_lost_arbiters_groups_wait_for_it_after_the_takeover(

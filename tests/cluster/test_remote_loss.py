@@ -24,18 +24,14 @@ What must hold:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from proton import Delivery, Message
 
-from tests.client import Client, ClientError
-from tests.cluster.cluster_helpers import Cluster, mgmt
+from tests.cluster.cluster_helpers import Cluster, Session, mgmt
 from tests.integration import mgmt as mgmt_request
-from tests.integration.broker_process import BrokerProcesses
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,45 +44,16 @@ STALLED = 30
 
 
 @pytest.fixture
-async def cluster(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Cluster]:
-    procs = BrokerProcesses(nursery, cwd=tmp_path)
-    try:
-        c = Cluster(procs, tmp_path, nursery)
-        c.extra_env = {
-            "AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT),
-            # this test is about the policy that moves a lost node's groups
-            "AMQBROKER_CLUSTER_NODE_LOSS_POLICY": "move",
-        }
-        yield c
-    finally:
-        c.abort_clients()
-        await procs.aclose()
+def cluster_env() -> dict[str, str]:
+    return {
+        "AMQBROKER_CLUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT),
+        # this test is about the policy that moves a lost node's groups
+        "AMQBROKER_CLUSTER_NODE_LOSS_POLICY": "move",
+    }
 
 
 def body(group: str, seq: int, src: str) -> str:
     return f"{group}:{seq}:{src}"
-
-
-class Session:
-    """One consumer connection on one node, accepting everything it gets."""
-
-    def __init__(self, node: str, credit: int = 5000) -> None:
-        self.node = node
-        self.credit = credit
-        self.bodies: list[str] = []
-        self.client: Client | None = None
-
-    async def run(self, cluster: Cluster, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.client = await cluster.connect(self.node)
-        r = await self.client.receiver("orders", credit=self.credit)
-        task_status.started()
-        try:
-            while True:
-                m = await r.receive(timeout=3600)
-                r.accept(m)
-                self.bodies.append(str(m.body))
-        except ClientError:
-            return  # the node went away
 
 
 async def bindings(cluster: Cluster, node: str) -> dict[str, str]:

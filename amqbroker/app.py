@@ -29,9 +29,9 @@ Graceful shutdown (SIGINT/SIGTERM or `request_shutdown`): stop accepting; flush 
 store so producers waiting for a sync get their `accepted`; close every connection
 (their consumers' unsettled messages go back to the queues in order); wait for peers
 to answer the close until `shutdown_timeout`; write the final store batch; release
-the data directory. The store writes are bounded by deadlines (`shutdown_timeout`
-from the start of the shutdown, then again for the final flush), so a hung disk
-cannot hang the shutdown: what is abandoned is logged (`store.writer`).
+the data directory. From the start of the shutdown each store or delivery-log write
+may take at most `shutdown_timeout` (the one running included), so a hung disk
+cannot hang the shutdown: a write past it is abandoned and logged (`store.writer`).
 
 Time: the core gets an epoch-aligned clock built on `trio.current_time()`, so tests
 running under trio's autojump clock move the core's time too.

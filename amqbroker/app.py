@@ -1,30 +1,20 @@
 """Composition root: builds the broker from settings and runs it under one nursery.
 
-Tasks (all children of the root nursery): one accept loop per listener, one driver
-per connection (in a separate nursery, so shutdown can give connections a deadline),
-the store writer (group commit: take everything buffered, write + fsync in a worker
-thread, then settle the producers waiting for that batch), the core timer loop, the
-deferred-dispatch loop, the expiry reaper and the slow-consumer check.
+It only wires: the parts live where they belong, and this module builds them from
+the settings, starts their tasks and stops them in order.
 
-Connection limits: `max_connections` (all connections, refused ones included, until
-the broker's close or refusal is written: `Hub.slots`; the linger waiting for the
-peer to close its side is not counted) and `max_connections_per_address` (admitted
-connections per client IP, counted in `_per_address` until the same point, whose
-entry goes when its last connection is released). A
-connection over either is opened and closed at once with amqp:resource-limit-exceeded
-and a description naming the setting.
+Tasks (all children of the root nursery): one accept loop per listener, handing each
+socket to the admission (`net.server.ConnectionServer`: connection limits, TLS and
+WebSocket openings, one driver per connection, in a separate nursery so shutdown can
+give connections a deadline), the store writer and the delivery-log writer
+(`store.writer`: group commit, write + fsync in a worker thread, then settle the
+producers waiting for that cycle), the core timer loop, the deferred-dispatch loop,
+the depager, the expiry reaper and the slow-consumer check.
 
 Slow consumers: every `slow_consumer_check_period` seconds `_slow_consumer_loop` asks
 the core's `SlowConsumerDetector` which consumers started a slow episode; each is
 logged, and with `slow_consumer_policy = "KILL"` its link is detached through its
 connection (`AmqpConnection.detach_link`).
-
-Store cycles: the store writer takes the journal's batch and the page store's
-buffered page records together (`_commit_one`), writes both in one worker-thread call
-(pages first) and numbers the cycle. A producer waiting for durability waits for a
-cycle number (`_ticket`: the cycle that will take what is buffered now), complete once
-the journal batch it needs is synced and its pages are written, so a durable message
-that went to a page is settled exactly like one that went to the journal.
 
 Paging: `_depage_loop` wakes when memory is freed while a queue has paged messages
 (or a store cycle completed); for each paging queue with room below the low-water
@@ -39,7 +29,9 @@ Graceful shutdown (SIGINT/SIGTERM or `request_shutdown`): stop accepting; flush 
 store so producers waiting for a sync get their `accepted`; close every connection
 (their consumers' unsettled messages go back to the queues in order); wait for peers
 to answer the close until `shutdown_timeout`; write the final store batch; release
-the data directory.
+the data directory. From the start of the shutdown each store or delivery-log write
+may take at most `shutdown_timeout` (the one running included), so a hung disk
+cannot hang the shutdown: a write past it is abandoned and logged (`store.writer`).
 
 Time: the core gets an epoch-aligned clock built on `trio.current_time()`, so tests
 running under trio's autojump clock move the core's time too.
@@ -47,14 +39,10 @@ running under trio's autojump clock move the core's time too.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import itertools
 import logging
 import math
 import signal
 import socket
-import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,12 +59,10 @@ from amqbroker.core.authz import Authorizer
 from amqbroker.core.broker import Broker
 from amqbroker.core.slow_consumers import KILL, SlowConsumerDetector
 from amqbroker.core.timers import Timers
-from amqbroker.net.driver import ConnectionDriver, Driver, Hub, StreamDriver
+from amqbroker.net.driver import Hub
 from amqbroker.net.listener import ListenError, accept_loop, bind, bound_address
+from amqbroker.net.server import ConnectionServer
 from amqbroker.net.tls import TlsConfigError, server_context
-from amqbroker.net.tls import handshake as tls_handshake
-from amqbroker.net.websocket import WebSocketDriver, WebSocketStream
-from amqbroker.net.websocket import handshake as ws_handshake
 from amqbroker.protocol.codec import ScannerCodec
 from amqbroker.protocol.connection import AmqpConnection, ConnectionLimits
 from amqbroker.protocol.fastpath import check_binding
@@ -87,6 +73,7 @@ from amqbroker.settings import Settings, parse_listener
 from amqbroker.store.delivery_log import DeliveryLogWriter, pyarrow_available
 from amqbroker.store.journal import Journal
 from amqbroker.store.paging import PageStore
+from amqbroker.store.writer import DeliveryLogLoop, StoreWriter
 from amqbroker.telemetry import Telemetry, TelemetryError
 
 log = logging.getLogger("amqbroker")
@@ -116,46 +103,29 @@ class BrokerApp:
         self.listening: list[tuple[str, int]] = []
         #: bound TLS listeners (amqps), in tls_listeners order
         self.tls_listening: list[tuple[str, int]] = []
-        self._tls_context: ssl.SSLContext | None = None
-        #: TLS handshakes in progress (they count towards max_connections)
-        self._tls_handshakes = 0
         #: bound WebSocket listeners (ws://, wss://), in ws_listeners / wss_listeners order
         self.ws_listening: list[tuple[str, int]] = []
         self.wss_listening: list[tuple[str, int]] = []
-        #: WebSocket openings (TLS for wss, then the upgrade) in progress: they count
-        #: towards max_connections like TLS handshakes
-        self._ws_handshakes = 0
+        #: connection admission (limits, per-address counts); built by _build
+        self.server: ConnectionServer | None = None
         self.journal: Journal | None = None
         #: this broker's name (node_id, or <hostname>-<port> once listening)
         self.node_id = settings.node_id
         #: the delivery log writer (None when delivery_log is off)
         self.dlog: DeliveryLogWriter | None = None
-        self._dlog_lot = trio.lowlevel.ParkingLot()
+        self.dlog_loop: DeliveryLogLoop | None = None
+        #: the journal + page store group commit
+        self.store: StoreWriter | None = None
         self.broker: Broker | None = None
         self.recovered_messages = 0
         self.recovered_queues = 0
         self._shutdown = trio.Event()
-        self._store_lot = trio.lowlevel.ParkingLot()
-        #: one batch at a time: the writer loop and the final flush both commit
-        self._store_lock = trio.Lock()
-        self._dlog_lock = trio.Lock()
         self._timer_lot = trio.lowlevel.ParkingLot()
         self._deferred_lot = trio.lowlevel.ParkingLot()
         self._depage_lot = trio.lowlevel.ParkingLot()
         self.pager: PageStore | None = None
-        #: store cycles taken / complete; journal batch_no right after the last take;
-        #: (cycle, journal batch it needs synced) for cycles not yet complete
-        self._cycle = 0
-        self._cycle_done = 0
-        self._jb_taken = 0
-        self._cycle_waits: collections.deque[tuple[int, int]] = collections.deque()
-        self._conn_ids = itertools.count(1)
-        #: client IP -> admitted connections from it (no entry at 0)
-        self._per_address: dict[str, int] = {}
-        self.refused_per_address = 0
         self.slow_consumers: SlowConsumerDetector | None = None
         self.slow_consumers_detached = 0
-        self._conn_nursery: trio.Nursery | None = None
         self._epoch0 = 0.0
         self._trio0 = 0.0
         self._clock_offset = 0.0
@@ -184,9 +154,10 @@ class BrokerApp:
     def _build(self) -> None:
         s = self.settings
         check_binding()
+        tls_context = None
         if s.tls_listeners or s.wss_listeners:
             try:
-                self._tls_context = server_context(
+                tls_context = server_context(
                     cert_file=s.tls_cert_file,
                     key_file=s.tls_key_file,
                     ca_file=s.tls_ca_file,
@@ -215,9 +186,18 @@ class BrokerApp:
         )
         recovered = journal.open()
         self.journal = journal
-        self._jb_taken = journal.synced_batch_no
         pager = PageStore(data_dir / "paging", segment_size=s.page_size_bytes, sync=s.store_sync)
         self.pager = pager
+        self.store = StoreWriter(
+            journal,
+            pager,
+            data_dir=data_dir,
+            sync=s.store_sync,
+            flush=self.hub.flush,
+            wake_depage=self._depage_lot.unpark_all,
+            on_failure=self._store_failed,
+            batch_synced=self.telemetry.store_batch if self.telemetry is not None else None,
+        )
         self.timers = Timers(on_change=self._timer_lot.unpark_all)
         if s.delivery_log:
             if s.delivery_log_format == "parquet" and not pyarrow_available():
@@ -238,7 +218,9 @@ class BrokerApp:
                 # timestamps across nodes
                 clock=time.time,
                 message_id=log_message_id,
-                wake=self._dlog_lot.unpark_all,
+            )
+            self.dlog_loop = DeliveryLogLoop(
+                self.dlog, flush_interval=s.delivery_log_flush_interval, flush=self.hub.flush
             )
         broker = Broker(
             address_settings=AddressSettingsRepository(s.address_settings),
@@ -294,7 +276,8 @@ class BrokerApp:
                 "refused with amqp:unauthorized-access; add rules or set "
                 "security_enabled = false"
             )
-        self.sync = SyncTracker(self._ticket)
+        self.sync = SyncTracker(self.store.ticket)
+        self.store.settled = self.sync.synced
         self.management = ManagementNode(
             broker,
             connections=lambda: list(self.hub.drivers),
@@ -306,8 +289,8 @@ class BrokerApp:
             except ElectionUnavailable as exc:
                 self._close_store()
                 raise StartupError(str(exc)) from exc
-        self.hub.after_flush.append(self._store_lot.unpark_all)
-        self._limits = ConnectionLimits(
+        self.hub.after_flush.append(self.store.wake)
+        limits = ConnectionLimits(
             container_id="amqbroker",
             max_frame_size=s.max_frame_size,
             channel_max=s.channel_max,
@@ -323,12 +306,29 @@ class BrokerApp:
             route_tracer=self.telemetry.route_tracer if self.telemetry else None,
             dispatch_tracer=self.telemetry.dispatch_tracer if self.telemetry else None,
         )
-        self._refuse_limits = dataclasses.replace(
-            self._limits,
-            refuse_reason=(
-                f"the broker has reached max_connections ({s.max_connections}); "
-                "try again later or raise max_connections"
-            ),
+        self.server = ConnectionServer(
+            self.hub,
+            s,
+            limits=limits,
+            new_connection=self._new_connection,
+            tls_context=tls_context,
+        )
+
+    def _new_connection(
+        self, limits: ConnectionLimits, conn_id: str, peer: str, tls_identity: str | None
+    ) -> AmqpConnection:
+        assert self.broker is not None
+        return AmqpConnection(
+            self.broker,
+            limits=limits,
+            auth=self.auth,
+            conn_id=conn_id,
+            peer=peer,
+            sync=self.sync,
+            management=self.management,
+            authz=self.authz,
+            on_dirty=self.hub.on_dirty,
+            tls_identity=tls_identity,
         )
 
     # ------------------------------------------------------------------ run
@@ -390,12 +390,14 @@ class BrokerApp:
                 ) from exc
         try:
             async with trio.open_nursery() as root:
-                root.start_soon(self._store_loop)
+                assert self.store is not None and self.server is not None
+                server = self.server
+                root.start_soon(self.store.run)
                 root.start_soon(self._timer_loop)
                 root.start_soon(self._deferred_loop)
                 root.start_soon(self._depage_loop)
-                if self.dlog is not None:
-                    root.start_soon(self._dlog_loop)
+                if self.dlog_loop is not None:
+                    root.start_soon(self.dlog_loop.run)
                 if s.expiry_scan_period > 0:
                     root.start_soon(self._expiry_loop)
                 if self.cluster is not None:
@@ -412,16 +414,15 @@ class BrokerApp:
                     # "listening" line must already stop the broker gracefully
                     await root.start(self._signal_loop)
                 async with trio.open_nursery() as conns:
-                    self._conn_nursery = conns
                     async with trio.open_nursery() as accepting:
                         for sk in sockets:
-                            accepting.start_soon(accept_loop, sk, self._serve, conns)
+                            accepting.start_soon(accept_loop, sk, server.serve, conns)
                         for sk in tls_sockets:
-                            accepting.start_soon(accept_loop, sk, self._serve_tls, conns)
+                            accepting.start_soon(accept_loop, sk, server.serve_tls, conns)
                         for sk in ws_sockets:
-                            accepting.start_soon(accept_loop, sk, self._serve_ws, conns)
+                            accepting.start_soon(accept_loop, sk, server.serve_ws, conns)
                         for sk in wss_sockets:
-                            accepting.start_soon(accept_loop, sk, self._serve_wss, conns)
+                            accepting.start_soon(accept_loop, sk, server.serve_wss, conns)
                         log.info(
                             "amqbroker %s listening on %s; data in %s (%d queue(s), %d "
                             "message(s) recovered)",
@@ -444,9 +445,13 @@ class BrokerApp:
                     await self._graceful_close(conns)
                 root.cancel_scope.cancel()
         finally:
+            # shielded; each write has a deadline (store.writer), so a hung disk
+            # cannot hang the shutdown
+            self._bound_writes()
             with trio.CancelScope(shield=True):
                 await self._final_flush()
-                await self._dlog_final_flush()
+                if self.dlog_loop is not None:
+                    await self.dlog_loop.final_flush()
             self._close_store()
             if self.telemetry is not None:
                 self.telemetry.shutdown()
@@ -471,177 +476,10 @@ class BrokerApp:
                 )
                 self.request_shutdown()
 
-    async def _serve_tls(self, sock: socket.socket, peer: str) -> None:
-        """A connection on a TLS listener: the TLS handshake, then `_serve` on the
-        stream. Handshakes in progress count towards max_connections: past it the
-        socket is closed at once (nothing can be said to the client before TLS)."""
-        assert self._tls_context is not None
-        s = self.settings
-        accepted_at = trio.current_time()
-        if self.hub.slots + self._tls_handshakes + self._ws_handshakes >= s.max_connections:
-            log.warning(
-                "refusing TLS connection from %s: max_connections (%d) reached (counting "
-                "%d TLS handshake(s) in progress); closed before the handshake",
-                peer,
-                s.max_connections,
-                self._tls_handshakes,
-            )
-            sock.close()
-            return
-        self._tls_handshakes += 1
-        try:
-            shaken = await tls_handshake(
-                sock,
-                self._tls_context,
-                peer=peer,
-                deadline=accepted_at + s.handshake_timeout,
-                handshake_timeout=s.handshake_timeout,
-            )
-        finally:
-            self._tls_handshakes -= 1
-        if shaken is not None:
-            stream, identity = shaken
-            await self._serve(
-                sock, peer, stream=stream, tls_identity=identity, accepted_at=accepted_at
-            )
-
-    async def _serve_wss(self, sock: socket.socket, peer: str) -> None:
-        await self._serve_ws(sock, peer, tls=True)
-
-    async def _serve_ws(self, sock: socket.socket, peer: str, *, tls: bool = False) -> None:
-        """A connection on a WebSocket listener: TLS (wss) and the HTTP upgrade
-        (`amqbroker.net.websocket`), then `_serve` on the WebSocket stream. Counted
-        towards max_connections and bounded by handshake_timeout like `_serve_tls`."""
-        s = self.settings
-        accepted_at = trio.current_time()
-        if self.hub.slots + self._tls_handshakes + self._ws_handshakes >= s.max_connections:
-            log.warning(
-                "refusing WebSocket connection from %s: max_connections (%d) reached "
-                "(counting %d TLS/WebSocket handshake(s) in progress); closed before the "
-                "upgrade",
-                peer,
-                s.max_connections,
-                self._tls_handshakes + self._ws_handshakes,
-            )
-            sock.close()
-            return
-        self._ws_handshakes += 1
-        try:
-            opened = await ws_handshake(
-                sock,
-                peer=peer,
-                tls_context=self._tls_context if tls else None,
-                deadline=accepted_at + s.handshake_timeout,
-                handshake_timeout=s.handshake_timeout,
-                max_message_size=s.ws_max_message_size,
-                read_size=s.read_buffer_size,
-            )
-        finally:
-            self._ws_handshakes -= 1
-        if opened is not None:
-            stream, identity = opened
-            await self._serve(
-                sock, peer, stream=stream, tls_identity=identity, accepted_at=accepted_at
-            )
-
-    async def _serve(
-        self,
-        sock: socket.socket,
-        peer: str,
-        *,
-        stream: trio.SSLStream[trio.SocketStream] | WebSocketStream | None = None,
-        tls_identity: str | None = None,
-        accepted_at: float | None = None,
-    ) -> None:
-        """One connection: `sock` on the plain path, or `stream` (TLS or WebSocket,
-        handshake done; `accepted_at` starts the opening deadline) over it."""
-        assert self.broker is not None
-        n = next(self._conn_ids)
-        limits = self._limits
-        ip = peer.rpartition(":")[0] or peer  # "host:port", IPv6 host unbracketed
-        per_address = self.settings.max_connections_per_address
-        admitted = False
-        if self.hub.slots >= self.settings.max_connections:
-            limits = self._refuse_limits
-            log.warning(
-                "refusing connection from %s: max_connections (%d) reached",
-                peer,
-                self.settings.max_connections,
-            )
-        elif per_address > 0 and self._per_address.get(ip, 0) >= per_address:
-            limits = dataclasses.replace(
-                self._limits,
-                refuse_reason=(
-                    f"too many connections from {ip}: max_connections_per_address "
-                    f"({per_address}) reached; close connections you no longer use, or "
-                    "ask the operator to raise max_connections_per_address"
-                ),
-            )
-            self.refused_per_address += 1
-            log.warning(
-                "refusing connection from %s: max_connections_per_address (%d) reached for %s",
-                peer,
-                per_address,
-                ip,
-            )
-        else:
-            admitted = True
-        conn = AmqpConnection(
-            self.broker,
-            limits=limits,
-            auth=self.auth,
-            conn_id=f"c{n}",
-            peer=peer,
-            sync=self.sync,
-            management=self.management,
-            authz=self.authz,
-            on_dirty=self.hub.on_dirty,
-            tls_identity=tls_identity,
-        )
-        release: Callable[[], None] | None = None
-        if admitted:  # counted from here on: the driver's release_slot takes it back
-
-            def release() -> None:
-                left = self._per_address[ip] - 1
-                if left:
-                    self._per_address[ip] = left
-                else:
-                    del self._per_address[ip]
-
-            self._per_address[ip] = self._per_address.get(ip, 0) + 1
-        driver: ConnectionDriver
-        if stream is None:
-            driver = Driver(
-                self.hub,
-                conn,
-                sock,
-                read_size=self.settings.read_buffer_size,
-                handshake_timeout=self.settings.handshake_timeout,
-                on_release=release,
-            )
-        else:
-            driver = (WebSocketDriver if isinstance(stream, WebSocketStream) else StreamDriver)(
-                self.hub,
-                conn,
-                stream,
-                sock=(
-                    stream.socket
-                    if isinstance(stream, WebSocketStream)
-                    else stream.transport_stream.socket
-                ),
-                read_size=self.settings.read_buffer_size,
-                handshake_timeout=self.settings.handshake_timeout,
-                accepted_at=accepted_at,
-                on_release=release,
-            )
-        try:
-            await driver.run()
-        finally:
-            driver.release_slot()
-
     async def _graceful_close(self, conns: trio.Nursery) -> None:
         """Settle what producers wait for, close connections, wait for the peers."""
         deadline = trio.current_time() + self.settings.shutdown_timeout
+        self._bound_writes()
         await self._final_flush()
         for conn in list(self.hub.drivers):
             conn.close("amqp:connection:forced", "the broker is shutting down")
@@ -656,150 +494,42 @@ class BrokerApp:
             )
         conns.cancel_scope.cancel()
 
-    # ---------------------------------------------------------- store writer
-    async def _store_loop(self) -> None:
-        j = self.journal
-        assert j is not None
-        pager = self.pager
-        assert pager is not None
-        while True:
-            if not (j.pending or pager.pending):
-                await self._store_lot.park()
-                continue
-            try:
-                async with self._store_lock:
-                    await self._commit_one(j)
-            except OSError as exc:
-                log.critical(
-                    "cannot write the journal in %s: %s; stopping the broker so that no "
-                    "message is accepted without being stored (free disk space or fix "
-                    "the directory, then start again)",
-                    self.data_dir,
-                    exc,
-                )
-                self.exit_code = 3
-                self.request_shutdown()
-                return
+    # ---------------------------------------------------------------- store
+    def _store_failed(self) -> None:
+        """The store writer could not write (it logged why): stop the broker."""
+        self.exit_code = 3
+        self.request_shutdown()
 
-    def _ticket(self) -> int:
-        """The store cycle that will take what is buffered now (journal records or
-        durable page records); the last cycle taken if nothing is."""
-        j = self.journal
-        p = self.pager
-        if (j is not None and j.batch_no != self._jb_taken) or (p is not None and p.unsynced):
-            return self._cycle + 1
-        return self._cycle
-
-    async def _commit_one(self, j: Journal) -> bool:
-        """One store cycle: take the journal batch and the buffered page records,
-        write (+ fsync in a worker thread) both, complete them; settle the producers
-        whose cycle is complete. False when nothing was buffered."""
-        pager = self.pager
-        assert pager is not None
-        batch = j.take_batch()
-        pages = pager.take()
-        if batch is None and pages is None:
-            return False
-        self._cycle += 1
-        self._jb_taken = j.batch_no
-        self._cycle_waits.append((self._cycle, self._jb_taken))
-
-        def write() -> None:
-            if pages is not None:
-                pager.write(pages)
-            if batch is not None:
-                j.write_batch(batch)
-
-        if self.settings.store_sync:
-            await trio.to_thread.run_sync(write)
-        else:
-            write()  # no fsync: cheap enough for the event loop
-        if batch is not None:
-            j.batch_done(batch)
-            if self.telemetry is not None and self.settings.store_sync:
-                self.telemetry.store_batch(batch.sync_ms)
-        if pages is not None:
-            pager.done(pages)
-        self._depage_lot.unpark_all()  # pages written / journal backlog shrank
-        synced = j.synced_batch_no
-        waits = self._cycle_waits
-        done = self._cycle_done
-        while waits and waits[0][1] <= synced:
-            done = waits.popleft()[0]
-        self._cycle_done = done
-        pager.cycle_done(done)
-        self.sync.synced(done)
-        self.hub.flush()
-        return True
+    def _bound_writes(self) -> None:
+        """Shutdown: a store or delivery-log write that takes longer than
+        shutdown_timeout is abandoned (and logged) instead of hanging the broker."""
+        timeout = self.settings.shutdown_timeout
+        if self.store is not None:
+            self.store.bound_writes(timeout)
+        if self.dlog_loop is not None:
+            self.dlog_loop.bound_writes(timeout)
 
     async def _final_flush(self) -> None:
-        j = self.journal
-        if j is None:
-            return
-        try:
-            async with self._store_lock:
-                while await self._commit_one(j):
-                    pass
-        except OSError as exc:
-            log.critical("cannot write the final journal batch: %s", exc)
-            self.exit_code = 3
+        """Write what the store holds (shutdown)."""
+        if self.store is not None and self.journal is not None:
+            await self.store.final_flush()
+            if self.store.failed or self.store.abandoned:
+                self.exit_code = 3
 
     def _close_store(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
         if self.journal is not None:
+            if self.store is not None and self.store.abandoned:
+                # a worker thread may still be writing it: leave the files (and the
+                # data directory's lock) to the process's exit
+                log.critical("the journal is left open: a write to it never finished")
+                self.journal = None
+                return
             try:
                 self.journal.close()
             finally:
                 self.journal = None
-
-    # ---------------------------------------------------- delivery log writer
-    async def _dlog_loop(self) -> None:
-        """Write the delivery log buffer in a worker thread: every
-        delivery_log_flush_interval, or at once when it is a quarter full."""
-        w = self.dlog
-        assert w is not None
-        interval = self.settings.delivery_log_flush_interval
-        while True:
-            if w.pending < w.take_at:
-                with trio.move_on_after(interval):
-                    await self._dlog_lot.park()
-            async with self._dlog_lock:
-                await self._dlog_write(w)
-            self.hub.flush()  # producers resumed by take_batch get their credit
-
-    async def _dlog_write(self, w: DeliveryLogWriter) -> bool:
-        batch = w.take_batch()
-        if batch is None:
-            return False
-        try:
-            # shielded: a batch taken from the buffer is written even when the loop
-            # is cancelled at shutdown (the final flush writes what is left)
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(w.write_batch, batch)
-        except Exception as exc:  # an OSError, or a bug: never stop the broker for it
-            w.dropped += len(batch)
-            log.error(
-                "cannot write the delivery log in %s: %s; %d record(s) lost (free disk "
-                "space or fix the directory; the broker goes on)",
-                w.directory,
-                exc,
-                len(batch),
-            )
-            w.abandon_file()
-        return True
-
-    async def _dlog_final_flush(self) -> None:
-        w = self.dlog
-        if w is None:
-            return
-        async with self._dlog_lock:
-            while await self._dlog_write(w):
-                pass
-            try:
-                await trio.to_thread.run_sync(w.close)
-            except OSError as exc:
-                log.error("cannot close the delivery log file: %s", exc)
 
     # ----------------------------------------------------------- core timers
     async def _timer_loop(self) -> None:
@@ -828,7 +558,8 @@ class BrokerApp:
         broker = self.broker
         pager = self.pager
         j = self.journal
-        assert broker is not None and pager is not None and j is not None
+        store = self.store
+        assert broker is not None and pager is not None and j is not None and store is not None
         # reading back into a durable queue journals the messages again: do not run
         # ahead of the journal writer (its buffer would grow without bound)
         backlog_max = 2 * self.settings.store_max_batch_bytes
@@ -844,7 +575,7 @@ class BrokerApp:
                 await trio.to_thread.run_sync(pager.read, plan)
                 # a durable queue's read is recorded in the journal (paged_through) by
                 # the cycle after the current one at the latest: the segment waits for it
-                entries = pager.consumed(plan, self._cycle + 1 if q.durable else 0)
+                entries = pager.consumed(plan, store.cycle + 1 if q.durable else 0)
                 if entries is None:
                     continue  # purged or deleted meanwhile
                 if plan.lost:
@@ -907,7 +638,7 @@ class BrokerApp:
         assert b is not None
         out: dict[str, int] = {
             "connections": len(self.hub.drivers),
-            "connections_per_address": len(self._per_address),
+            "connections_per_address": len(self.server.per_address) if self.server else 0,
             "dirty_connections": self.hub.pending,
             "links": sum(c.open_links for c in self.hub.drivers),
             "sessions": sum(c.open_sessions for c in self.hub.drivers),
@@ -932,7 +663,9 @@ class BrokerApp:
             stats["delivery_log"] = self.dlog.statistics()
         stats["queues"] = {q.name: q.statistics() for q in self.broker.queues.values()}
         stats["limits"] = {
-            "connections_refused_per_address": self.refused_per_address,
+            "connections_refused_per_address": (
+                self.server.refused_per_address if self.server is not None else 0
+            ),
             "slow_consumers_detected": (
                 self.slow_consumers.detected if self.slow_consumers is not None else 0
             ),

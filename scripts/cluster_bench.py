@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from amqbroker.protocol.management_client import request
+from amqbroker.tools.management_client import request
 from amqbroker.tools.perf.broker import LISTENING_RE, RunError, Target
 from amqbroker.tools.perf.options import parse_args, producer_segments
 from amqbroker.tools.perf.runner import Fleet, _consumer_results, _finish, _sum_producers

@@ -1,5 +1,5 @@
 """The `amqbroker` command line (click): parse, call, print. No logic here: the work
-is done by the app (`run`), the management client (`protocol.management_client`) and
+is done by the app (`run`), the management client (`tools.management_client`) and
 the client tools (`amqbroker.tools`).
 
 Commands::

@@ -42,7 +42,7 @@ def check_node(
     url: str, user: str | None, password: str | None, max_memory_percent: float | None
 ) -> None:
     """The broker answers management requests (and is within the thresholds)."""
-    from amqbroker.protocol.management_client import check_node as evaluate
+    from amqbroker.tools.management_client import check_node as evaluate
 
     with talking(url), client(url, user, password) as c:
         result = evaluate(c.read("broker", "amqbroker"), max_memory_percent=max_memory_percent)
@@ -70,13 +70,13 @@ def check_queue(
     max_stuck_groups: int | None,
 ) -> None:
     """The queue exists and is within the thresholds."""
-    from amqbroker.protocol.management_client import ManagementError
-    from amqbroker.protocol.management_client import check_queue as evaluate
+    from amqbroker.tools.management_client import RequestFailed
+    from amqbroker.tools.management_client import check_queue as evaluate
 
     with talking(url), client(url, user, password) as c:
         try:
             attrs = c.read("queue", name)
-        except ManagementError as exc:
+        except RequestFailed as exc:
             click.echo(f"FAIL: queue {name!r}: {exc.description} ({exc.status})")
             sys.exit(EXIT_FAILED)
     result = evaluate(
@@ -140,7 +140,7 @@ def queue_stat(
 ) -> None:
     """One line per queue: name, address, consumers, messages, added, delivering, acked,
     scheduled, groups."""
-    from amqbroker.protocol.management_client import user_queues
+    from amqbroker.tools.management_client import user_queues
 
     attrs = [a for _, a in STAT_COLUMNS] + ["temporary"]
     n = 0
@@ -506,7 +506,7 @@ def groups_list(
     as_json: bool,
 ) -> None:
     """The groups bound on a queue: owner, backlog, in flight, oldest message's age."""
-    from amqbroker.protocol.management_client import duration
+    from amqbroker.tools.management_client import duration
 
     name = _queue_arg(queue_name, queue_opt)
     with talking(url), client(url, user, password) as c:

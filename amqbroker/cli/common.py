@@ -39,7 +39,7 @@ def _remember_security(ctx: click.Context, param: click.Parameter, value: Any) -
     function but become the context's `ClientSecurity` (`management_client.use_security`),
     which every connection the command opens uses (management and messaging alike)."""
     from amqbroker.protocol.client_auth import ClientSecurity
-    from amqbroker.protocol.management_client import use_security
+    from amqbroker.tools.management_client import use_security
 
     if value is not None and ctx.command.name in _PLAIN_ONLY:
         raise click.UsageError(
@@ -58,7 +58,7 @@ def connection_options(f: F) -> F:
     (AMQBROKER_CA_FILE, AMQBROKER_CERT_FILE, AMQBROKER_KEY_FILE, AMQBROKER_MECHANISM),
     which are not: they set the context's `ClientSecurity` (`_remember_security`)."""
     from amqbroker.protocol.client_auth import MECHANISMS
-    from amqbroker.protocol.management_client import DEFAULT_URL
+    from amqbroker.tools.management_client import DEFAULT_URL
 
     security: list[tuple[str, str, dict[str, Any]]] = [
         (
@@ -131,14 +131,14 @@ def json_option(f: F) -> F:
 @contextlib.contextmanager
 def talking(url: str) -> Iterator[None]:
     """Map the client's errors to messages and exit codes (2 unreachable, 1 refused)."""
-    from amqbroker.protocol.management_client import ConnectError, ManagementError
+    from amqbroker.tools.management_client import ConnectError, RequestFailed
     from amqbroker.tools.messaging import MessagingError
 
     try:
         yield
     except ConnectError as exc:
         raise Unreachable(str(exc)) from None
-    except ManagementError as exc:
+    except RequestFailed as exc:
         code = exc.status if exc.status is not None else "no status"
         raise click.ClickException(
             f"the broker refused {exc.operation} ({code}): {exc.description}"
@@ -149,7 +149,7 @@ def talking(url: str) -> Iterator[None]:
 
 def client(url: str, user: str | None, password: str | None) -> Any:
     """A `ManagementClient` (use inside `talking`)."""
-    from amqbroker.protocol.management_client import ManagementClient
+    from amqbroker.tools.management_client import ManagementClient
 
     return ManagementClient(url, user=user, password=password)
 

@@ -34,9 +34,12 @@ kazoo is a blocking, threaded client. `ZkElection` owns one worker thread that d
 every kazoo call; kazoo's own callbacks (watches, connection-state listener) only
 put a wake-up on that thread's queue, so no kazoo call ever runs on kazoo's event
 thread or on the trio loop's thread. The worker evaluates the election after every
-wake-up (re-arming its one-shot watches) and hands each change of role to trio with
-``TrioToken.run_sync_soon`` into an unbounded memory channel, which `ZkElection.run`
-reads to call the `ElectionEvents` callbacks on the trio thread, in order. The
+wake-up (re-arming its one-shot watches) and hands each change of role to trio
+(``trio.from_thread.run``) through a memory channel of `VIEW_CHANNEL_SIZE` views, which
+`ZkElection.run` reads to call the `ElectionEvents` callbacks on the trio thread, in
+order. When the channel is full the worker waits for room (it blocks on no lock the
+trio thread needs), so no change is dropped; changes pile up only while the trio
+thread is stalled, and ZooKeeper's wake-ups wait in the worker's queue meanwhile. The
 `Fence` is shared: the worker raises it (under a lock) as soon as ZooKeeper shows a
 higher epoch, before trio hears about it.
 
@@ -68,7 +71,6 @@ import enum
 import importlib.util
 import json
 import logging
-import math
 import queue
 import threading
 from collections.abc import Callable
@@ -76,6 +78,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import trio
+
+from amqbroker.core.errors import LocalError
 
 if TYPE_CHECKING:
     from amqbroker.settings import Settings
@@ -96,6 +100,9 @@ __all__ = [
 log = logging.getLogger("amqbroker.cluster.election")
 
 ELECTION_PREFIX: Final = "n_"
+#: role changes waiting for the trio thread (`ZkElection.run`); when full, the worker
+#: thread waits for room instead of dropping one
+VIEW_CHANNEL_SIZE: Final = 64
 #: first and largest delay between reconnection attempts to ZooKeeper, seconds
 RECONNECT_FIRST_DELAY: Final = 0.05
 
@@ -348,17 +355,19 @@ class ZkElection:
     # ------------------------------------------------------------------ trio side
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        send, receive = trio.open_memory_channel[ElectionView](math.inf)
+        send, receive = trio.open_memory_channel[ElectionView](VIEW_CHANNEL_SIZE)
         token = trio.lowlevel.current_trio_token()
 
-        def put(view: ElectionView) -> None:  # on the trio thread
-            # once run() has ended nobody listens any more
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                send.send_nowait(view)
-
         def deliver(view: ElectionView) -> None:  # on the worker thread
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(put, view)
+            # waits while the channel is full (no change is dropped, order is kept);
+            # once run() has ended nobody listens any more: the view is dropped
+            with contextlib.suppress(
+                trio.BrokenResourceError,
+                trio.ClosedResourceError,
+                trio.RunFinishedError,
+                trio.Cancelled,
+            ):
+                trio.from_thread.run(send.send, view, trio_token=token)
 
         self._deliver = deliver
         self._thread = threading.Thread(
@@ -601,7 +610,7 @@ class ZkElection:
                 log.exception("closing the ZooKeeper client failed")
 
 
-class ElectionUnavailable(Exception):
+class ElectionUnavailable(LocalError):
     """The election cannot run here (its client library is missing)."""
 
 

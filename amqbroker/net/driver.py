@@ -4,13 +4,15 @@ A driver runs one connection on one transport with three tasks: the reader (wait
 input, feed the connection), the writer (sends output the flush could not) and the
 ticker (heartbeats / idle timeout at the deadlines Proton asks for, the opening
 handshake deadline, the close linger). `ConnectionDriver` holds what every transport
-shares (lifetime, ticker, close linger); two subclasses own the bytes:
+shares (lifetime, the reader loop, ticker, close linger); two subclasses own the
+bytes (`_receive`, the writer, `flush_now`):
 
-* `Driver`, the plain path: a non-blocking stdlib socket. The reader waits readable
-  and `recv_into`s a reused buffer; `flush_now` writes with non-blocking sends in the
+* `Driver`, the plain path: a non-blocking stdlib socket. `_receive` `recv_into`s a
+  reused buffer and waits readable only when the socket has nothing (other tasks get
+  a turn every MAX_READS_PER_WAKEUP reads); `flush_now` writes with non-blocking sends in the
   caller's task, and the writer task only wakes when the socket's send buffer was full.
 * `StreamDriver`: any trio `Stream`, used for TLS (`trio.SSLStream`, see `net.tls`).
-  The reader awaits `receive_some`; since a stream write is a coroutine, `flush_now`
+  `_receive` awaits `receive_some`; since a stream write is a coroutine, `flush_now`
   only processes the connection and wakes the writer task, which sends the
   connection's output with `send_all`, then reports it as consumed. Output stays in
   the connection's engine until it is sent, so `output_high_water` back-pressure works
@@ -124,13 +126,18 @@ class ConnectionDriver:
         self._write_lot = trio.lowlevel.ParkingLot()
         self._tick_lot = trio.lowlevel.ParkingLot()
         self._write_blocked = False
+        #: the driver is ending (read on the hot path: a plain attribute)
         self._done = False
         self._ticking = False
-        self._scope: trio.CancelScope | None = None
+        #: the driver's lifetime: `run` enters it, `_finish` cancels it (also before
+        #: `run` has entered it: the driver then ends at once)
+        self._scope = trio.CancelScope()
         hub.drivers[conn] = self
 
     # ------------------------------------------------------- the transport's part
-    async def _reader(self) -> None:
+    async def _receive(self) -> bytes | bytearray | memoryview | None:
+        """The next input: data, empty at end of input, None if the transport failed
+        (logged). The buffer may be reused by the next call."""
         raise NotImplementedError
 
     async def _writer(self) -> None:
@@ -151,14 +158,12 @@ class ConnectionDriver:
     # ------------------------------------------------------------------ shared
     async def run(self) -> None:
         try:
-            async with trio.open_nursery() as n:
-                self._scope = n.cancel_scope
-                if self._done:
+            with self._scope:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._writer)
+                    n.start_soon(self._ticker)
+                    await self._reader()
                     n.cancel_scope.cancel()
-                n.start_soon(self._writer)
-                n.start_soon(self._ticker)
-                await self._reader()
-                n.cancel_scope.cancel()
         finally:
             self._done = True
             self.release_slot()
@@ -180,8 +185,30 @@ class ConnectionDriver:
 
     def _finish(self) -> None:
         self._done = True
-        if self._scope is not None:
-            self._scope.cancel()
+        self._scope.cancel()
+
+    async def _reader(self) -> None:
+        """Feed the connection until the input ends, the transport fails or the driver
+        finishes. One loop for every transport (`_receive` is the transport's part)."""
+        conn = self.conn
+        hub = self.hub
+        while not self._done:
+            data = await self._receive()
+            if data is None:
+                return
+            if not data:
+                conn.input_closed()
+                hub.flush()
+                return
+            if conn.sasl_may_block:
+                await trio.to_thread.run_sync(conn.sasl_feed, bytes(data))
+                conn.feed(b"")
+            else:
+                conn.feed(data)
+            hub.flush()
+            if not self._ticking and conn.opened:
+                self._ticking = True
+                self._tick_lot.unpark_all()
 
     def stop(self) -> None:
         """Drop the connection now (shutdown deadline passed)."""
@@ -258,6 +285,10 @@ class Driver(ConnectionDriver):
         on_release: Callable[[], object] | None = None,
     ) -> None:
         self.sock = sock
+        self._buf = bytearray(read_size)
+        self._mv = memoryview(self._buf)
+        #: reads since the last wait: after MAX_READS_PER_WAKEUP, other tasks get a turn
+        self._reads = 0
         super().__init__(
             hub,
             conn,
@@ -267,37 +298,23 @@ class Driver(ConnectionDriver):
             on_release=on_release,
         )
 
-    async def _reader(self) -> None:
+    async def _receive(self) -> memoryview | None:
         sock = self.sock
-        conn = self.conn
-        hub = self.hub
-        buf = bytearray(self.read_size)
-        mv = memoryview(buf)
-        while not self._done:
-            await trio.lowlevel.wait_readable(sock)
-            for _ in range(MAX_READS_PER_WAKEUP):
-                try:
-                    n = sock.recv_into(buf)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:
-                    log.info("%s: socket error: %s", conn.log_prefix(), exc)
-                    return
-                if n == 0:
-                    conn.input_closed()
-                    hub.flush()
-                    return
-                if conn.sasl_may_block:
-                    await trio.to_thread.run_sync(conn.sasl_feed, bytes(mv[:n]))
-                    conn.feed(b"")
-                else:
-                    conn.feed(mv[:n])
-                hub.flush()
-                if not self._ticking and conn.opened:
-                    self._ticking = True
-                    self._tick_lot.unpark_all()
-                if self._done:
-                    return
+        if self._reads >= MAX_READS_PER_WAKEUP:
+            self._reads = 0
+            await trio.lowlevel.checkpoint()
+        while True:
+            try:
+                n = sock.recv_into(self._buf)
+            except (BlockingIOError, InterruptedError):
+                self._reads = 0
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            except OSError as exc:
+                log.info("%s: socket error: %s", self.conn.log_prefix(), exc)
+                return None
+            self._reads += 1
+            return self._mv[:n]
 
     def flush_now(self) -> None:
         """Write the connection's pending output without blocking."""
@@ -376,31 +393,13 @@ class StreamDriver(ConnectionDriver):
             on_release=on_release,
         )
 
-    async def _reader(self) -> None:
-        stream = self.stream
-        conn = self.conn
-        hub = self.hub
-        read_size = self.read_size
-        while not self._done:
-            try:
-                data = await stream.receive_some(read_size)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                cause = exc.__cause__ or exc
-                log.info("%s: transport error: %s", conn.log_prefix(), cause)
-                return
-            if not data:
-                conn.input_closed()
-                hub.flush()
-                return
-            if conn.sasl_may_block:
-                await trio.to_thread.run_sync(conn.sasl_feed, bytes(data))
-                conn.feed(b"")
-            else:
-                conn.feed(data)
-            hub.flush()
-            if not self._ticking and conn.opened:
-                self._ticking = True
-                self._tick_lot.unpark_all()
+    async def _receive(self) -> bytes | bytearray | None:
+        try:
+            return await self.stream.receive_some(self.read_size)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            cause = exc.__cause__ or exc
+            log.info("%s: transport error: %s", self.conn.log_prefix(), cause)
+            return None
 
     def flush_now(self) -> None:
         """Process the connection and wake the writer (which re-checks the output

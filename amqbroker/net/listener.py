@@ -13,10 +13,12 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from amqbroker.core.errors import LocalError
+
 log = logging.getLogger(__name__)
 
 
-class ListenError(Exception):
+class ListenError(LocalError):
     pass
 
 

@@ -44,6 +44,8 @@ from typing import Any, Literal
 
 import trio
 
+from amqbroker.core.errors import LocalError
+
 log = logging.getLogger(__name__)
 
 ClientAuth = Literal["none", "optional", "required"]
@@ -76,7 +78,7 @@ _RFC4514_NAMES = {
 }
 
 
-class TlsConfigError(Exception):
+class TlsConfigError(LocalError):
     """A TLS file or setting cannot be used; the message names the setting and the fix."""
 
 

@@ -63,6 +63,7 @@ from wsproto.connection import Connection, ConnectionState, ConnectionType
 from wsproto.events import BytesMessage, CloseConnection, Event, Ping, TextMessage
 from wsproto.frame_protocol import CloseReason
 
+from amqbroker.core.errors import PeerError
 from amqbroker.net.driver import StreamDriver
 from amqbroker.net.tls import handshake as tls_handshake
 
@@ -270,7 +271,7 @@ def http_response(status: int, phrase: str, text: str, headers: tuple[str, ...] 
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-class _Refused(Exception):
+class _Refused(PeerError):
     def __init__(self, reason: str, status: int = 400, headers: tuple[str, ...] = ()) -> None:
         super().__init__(reason)
         self.reason = reason

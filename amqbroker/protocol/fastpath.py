@@ -5,8 +5,9 @@ python-qpid-proton's object API wraps every event, link and delivery in Python o
 directly for the per-message work is ~10x faster (ARCHITECTURE.md decision 1). This
 module is the only place that does so; everything else (open, attach, detach, close,
 errors) uses the object API. The raw layer is not a public API, which is why the
-project pins python-qpid-proton==0.40.*; `check_binding()` fails loudly at start-up if
-a symbol this module needs is missing.
+project pins python-qpid-proton==0.40.*; its symbols are bound and checked once, in
+`amqbroker.protocol.binding` (shared with the perf client), and `check_binding()` makes
+the app import it before any socket is opened.
 
 Per-message work done here, and nothing else:
 * `pump`: drain the connection's collector; transfers (PN_DELIVERY) and flow
@@ -27,91 +28,101 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cproton_ffi import ffi, lib
 from proton import Data, Described
+
+from amqbroker.protocol.binding import (
+    NULL,
+    PN_ACCEPTED,
+    PN_DELIVERY,
+    PN_LINK_FLOW,
+    PN_MODIFIED,
+    PN_RECEIVED,
+    PN_REJECTED,
+    PN_RELEASED,
+    PN_TRANSPORT,
+    delivery_aborted,
+    delivery_partial,
+    delivery_pending,
+    delivery_remote_state,
+    delivery_settle,
+    delivery_settled,
+    delivery_update,
+    event_link,
+    event_session,
+    event_type,
+    ffi,
+    link_advance,
+    link_flow,
+    link_recv,
+    link_send,
+    link_session,
+    new_delivery,
+    unpack,
+)
+from amqbroker.protocol.binding import collector_peek as _peek
+from amqbroker.protocol.binding import collector_pop as _pop
+from amqbroker.protocol.binding import condition_set_description as _cond_set_desc
+from amqbroker.protocol.binding import condition_set_name as _cond_set_name
+from amqbroker.protocol.binding import delivery_link as _dlink
+from amqbroker.protocol.binding import delivery_local as _local_disp
+from amqbroker.protocol.binding import delivery_readable as _readable
+from amqbroker.protocol.binding import delivery_remote as _remote_disp
+from amqbroker.protocol.binding import disposition_condition as _disp_condition
+from amqbroker.protocol.binding import disposition_data as _disp_data
+from amqbroker.protocol.binding import disposition_is_failed as _is_failed
+from amqbroker.protocol.binding import disposition_is_undeliverable as _is_undeliverable
+from amqbroker.protocol.binding import event_delivery as _edelivery
+from amqbroker.protocol.binding import event_link as _elink
+from amqbroker.protocol.binding import event_type as _etype
+from amqbroker.protocol.binding import from_buffer as _from_buffer
+from amqbroker.protocol.binding import link_credit as _credit
+from amqbroker.protocol.binding import link_drained as _drained
+from amqbroker.protocol.binding import link_get_drain as _get_drain
+from amqbroker.protocol.binding import transport_capacity as _t_capacity
+from amqbroker.protocol.binding import transport_close_head as _t_close_head
+from amqbroker.protocol.binding import transport_close_tail as _t_close_tail
+from amqbroker.protocol.binding import transport_peek as _t_peek
+from amqbroker.protocol.binding import transport_pending as _t_pending
+from amqbroker.protocol.binding import transport_pop as _t_pop
+from amqbroker.protocol.binding import transport_push as _t_push
+from amqbroker.protocol.binding import transport_tick as _t_tick
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-REQUIRED = (
-    "pn_collector_peek pn_collector_pop pn_event_type pn_event_delivery pn_event_link "
-    "pn_delivery_link pn_delivery_readable pn_delivery_partial pn_delivery_aborted "
-    "pn_delivery_pending pn_link_recv pn_link_advance pn_delivery pn_link_send "
-    "pn_delivery_settle pn_delivery_update pn_delivery_remote_state pn_delivery_settled "
-    "pn_delivery_remote pn_delivery_local pn_disposition_is_failed "
-    "pn_disposition_is_undeliverable pn_disposition_condition pn_condition_set_name "
-    "pn_condition_set_description pn_link_credit pn_link_get_drain pn_link_drained "
-    "pn_link_flow pn_transport_capacity pn_transport_push pn_transport_pending "
-    "pn_transport_peek pn_transport_pop pn_transport_close_tail pn_transport_close_head "
-    "pn_transport_tick pn_event_session pn_link_session pn_disposition_data"
-).split()
-
-_missing = [n for n in REQUIRED if not hasattr(lib, n)]
-if _missing:  # pragma: no cover - depends on the installed wheel
-    raise RuntimeError(
-        "the installed python-qpid-proton lacks cffi symbols amqbroker needs "
-        f"({', '.join(_missing)}); install python-qpid-proton==0.40.*"
-    )
-
-PN_DELIVERY: int = lib.PN_DELIVERY
-PN_LINK_FLOW: int = lib.PN_LINK_FLOW
-PN_TRANSPORT: int = lib.PN_TRANSPORT
-PN_ACCEPTED: int = lib.PN_ACCEPTED
-PN_REJECTED: int = lib.PN_REJECTED
-PN_RELEASED: int = lib.PN_RELEASED
-PN_MODIFIED: int = lib.PN_MODIFIED
-PN_RECEIVED: int = lib.PN_RECEIVED
-
-# Raw per-message primitives. The link adapters bind these as module globals (a global
-# lookup is cheaper than an attribute lookup on every message); nothing outside this
-# package calls them.
-delivery_partial = lib.pn_delivery_partial
-delivery_pending = lib.pn_delivery_pending
-delivery_aborted = lib.pn_delivery_aborted
-delivery_settled = lib.pn_delivery_settled  # remotely settled
-delivery_settle = lib.pn_delivery_settle
-delivery_update = lib.pn_delivery_update
-delivery_remote_state = lib.pn_delivery_remote_state
-new_delivery = lib.pn_delivery
-link_recv = lib.pn_link_recv
-link_send = lib.pn_link_send
-link_advance = lib.pn_link_advance
-link_flow = lib.pn_link_flow
-unpack = ffi.unpack
-
-# Control-path accessors (raw event -> object-API wrapper, in connection.py)
-event_type = lib.pn_event_type
-event_link = lib.pn_event_link
-event_session = lib.pn_event_session
-link_session = lib.pn_link_session
-
-_peek = lib.pn_collector_peek
-_pop = lib.pn_collector_pop
-_etype = lib.pn_event_type
-_edelivery = lib.pn_event_delivery
-_elink = lib.pn_event_link
-_dlink = lib.pn_delivery_link
-_readable = lib.pn_delivery_readable
-_remote_disp = lib.pn_delivery_remote
-_local_disp = lib.pn_delivery_local
-_is_failed = lib.pn_disposition_is_failed
-_is_undeliverable = lib.pn_disposition_is_undeliverable
-_disp_condition = lib.pn_disposition_condition
-_cond_set_name = lib.pn_condition_set_name
-_cond_set_desc = lib.pn_condition_set_description
-_credit = lib.pn_link_credit
-_get_drain = lib.pn_link_get_drain
-_drained = lib.pn_link_drained
-_t_capacity = lib.pn_transport_capacity
-_t_push = lib.pn_transport_push
-_t_pending = lib.pn_transport_pending
-_t_peek = lib.pn_transport_peek
-_t_pop = lib.pn_transport_pop
-_t_close_tail = lib.pn_transport_close_tail
-_t_close_head = lib.pn_transport_close_head
-_t_tick = lib.pn_transport_tick
-_from_buffer = ffi.from_buffer
-NULL = ffi.NULL
+# The raw per-message primitives the link adapters bind as module globals (a global
+# lookup is cheaper than an attribute lookup on every message), and the control-path
+# accessors connection.py uses (raw event -> object-API wrapper): re-exported from
+# `binding`, which declares and checks every symbol; nothing outside this package
+# calls them.
+__all__ = [
+    "NULL",
+    "PN_ACCEPTED",
+    "PN_DELIVERY",
+    "PN_LINK_FLOW",
+    "PN_MODIFIED",
+    "PN_RECEIVED",
+    "PN_REJECTED",
+    "PN_RELEASED",
+    "PN_TRANSPORT",
+    "delivery_aborted",
+    "delivery_partial",
+    "delivery_pending",
+    "delivery_remote_state",
+    "delivery_settle",
+    "delivery_settled",
+    "delivery_update",
+    "event_link",
+    "event_session",
+    "event_type",
+    "link_advance",
+    "link_flow",
+    "link_recv",
+    "link_send",
+    "link_session",
+    "new_delivery",
+    "unpack",
+]
 
 
 def check_binding() -> None:
@@ -340,7 +351,6 @@ _OUTCOME_SYMBOLS = {
     "amqp:released:list": PN_RELEASED,
     "amqp:modified:list": PN_MODIFIED,
 }
-_disp_data = lib.pn_disposition_data
 
 
 def _descriptor_code(descriptor: Any) -> int:

@@ -107,6 +107,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import proton
 
 from amqbroker.core.auth import scram_verify
+from amqbroker.core.errors import PeerError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -226,7 +227,7 @@ _DESCRIPTORS: Final[dict[int | str, Input]] = {
 # --- errors -----------------------------------------------------------------------------
 
 
-class SaslError(Exception):
+class SaslError(PeerError):
     """The exchange cannot continue; `code` is the sasl-outcome to send if one can be."""
 
     code: Outcome | None = Outcome.SYS_PERM

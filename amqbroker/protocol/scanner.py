@@ -105,6 +105,8 @@ import struct
 import uuid
 from typing import TYPE_CHECKING, TypeAlias
 
+from amqbroker.core.errors import PeerError
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -125,7 +127,7 @@ __all__ = [
 ]
 
 
-class ScanError(ValueError):
+class ScanError(PeerError, ValueError):
     """Malformed or truncated message; the broker rejects it with amqp:decode-error.
 
     The message says what was wrong and at which offset."""

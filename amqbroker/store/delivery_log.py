@@ -8,7 +8,7 @@ Two sides, like the journal's group commit:
 * event loop (`event`, `take_batch`): each event appends one tuple to an in-memory
   buffer: the sequence number, the clock, the event code and the entry's fields read
   at that moment (references, no formatting). When the buffer reaches a quarter of
-  `buffer_records` the app's writer loop is woken (`wake`); it also takes the buffer
+  `buffer_records` the writer loop (`store.writer`) is woken (`wake`); it also takes the buffer
   every `flush_interval`.
 * worker thread (`write_batch`, `close`): turns a batch into columns (C-speed
   transposition, pyarrow arrays) and appends them to the current file as one Parquet
@@ -112,7 +112,9 @@ class DeliveryLogWriter:
         self._cap = buffer_records if self.drop else sys.maxsize
         self._clock = clock
         self._mid = message_id
-        self._wake = wake
+        #: woken at a quarter full (the writer loop, `store.writer.DeliveryLogLoop`,
+        #: sets it when none was given)
+        self.wake = wake
         self.node = ""
         self.directory: Path | None = None
         self._buf: list[Row] = []
@@ -243,8 +245,8 @@ class DeliveryLogWriter:
                 entry.delivery_count,
             )
         )
-        if n == self.take_at and self._wake is not None:
-            self._wake()
+        if n == self.take_at and self.wake is not None:
+            self.wake()
 
     def marker(self, event: int, queue: str, group_id: str, reason: str | None = None) -> None:
         """A marker about a group (`amqbroker.core.delivery_log.UNBOUND`, with its

@@ -151,6 +151,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from amqbroker.core.errors import LocalError
 from amqbroker.store import records as rec
 from amqbroker.store.records import (
     RECORD_HEADER_SIZE,
@@ -187,7 +188,7 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)
 PROGRESS_EVERY = 5.0
 
 
-class JournalError(Exception):
+class JournalError(LocalError):
     """The journal cannot be used (see the message)."""
 
 

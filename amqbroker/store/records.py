@@ -71,6 +71,7 @@ import zlib
 from typing import TYPE_CHECKING, Any, Final
 
 from amqbroker.core.entry import Entry
+from amqbroker.core.errors import LocalError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -116,7 +117,7 @@ _U32_MAX: Final = 0xFFFFFFFF
 _TYPE_CRC: Final = {t: zlib.crc32(bytes([t])) for t in RECORD_TYPES}
 
 
-class CorruptRecord(ValueError):
+class CorruptRecord(LocalError, ValueError):
     """A record whose framing and CRC are fine but whose payload cannot be decoded."""
 
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-One `BlockingConnection` (`protocol.management_client.connect`, so connection errors
+One `BlockingConnection` (`tools.management_client.connect`, so connection errors
 read the same as the management commands') and one link:
 
 - `send`: a sender on the address; up to `window` unsettled deliveries, each
@@ -38,7 +38,7 @@ from proton import ConnectionException, Delivery, Message, Timeout
 from proton.reactor import Copy, Selector
 from proton.utils import BlockingConnection, LinkDetached
 
-from amqbroker.protocol.management_client import ConnectError, connect
+from amqbroker.tools.management_client import ConnectError, connect
 
 CONTAINER = "amqbroker-cli"
 DEFAULT_WINDOW = 100

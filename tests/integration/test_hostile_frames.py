@@ -71,7 +71,7 @@ async def test_undispatchable_frame_is_answered_at_once_and_frees_the_slot(
         assert description, "no description"
         assert "idle" not in description, description
         # the slots (max_connections and per address) are free right away
-        assert app._per_address == {}
+        assert app.server.per_address == {}
         with trio.fail_after(1):
             c = await Client.connect(port, nursery=nursery)
             try:

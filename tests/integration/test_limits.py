@@ -42,18 +42,18 @@ async def test_connections_per_address_refused_others_unaffected_map_emptied(
     s = await b1.sender("per.addr")
     d = await s.send(Message(body="from b"))
     assert d.remote_state == Delivery.ACCEPTED
-    assert app._per_address == {"127.0.0.1": 2, "127.0.0.2": 1}
+    assert app.server.per_address == {"127.0.0.1": 2, "127.0.0.2": 1}
     assert app.statistics()["limits"]["connections_refused_per_address"] == 1
     # a connection that ends makes room for the next one from its address
     await a1.close()
-    await wait_until(lambda: app._per_address.get("127.0.0.1") == 1)
+    await wait_until(lambda: app.server.per_address.get("127.0.0.1") == 1)
     a3 = await client(app)
     await roundtrip(a3)
     for c in (a2, a3, b1):
         await c.close()
     sizes = await wait_idle(app)
     assert sizes["connections_per_address"] == 0
-    assert app._per_address == {}
+    assert app.server.per_address == {}
     assert all(v == 0 for v in sizes.values()), sizes
 
 
@@ -62,7 +62,7 @@ async def test_connections_per_address_unlimited(
 ) -> None:
     app = await make_broker(max_connections_per_address=-1, max_connections=5)
     cs = [await client(app) for _ in range(5)]
-    assert app._per_address == {"127.0.0.1": 5}
+    assert app.server.per_address == {"127.0.0.1": 5}
     # the broker-wide limit still applies, and names its own setting
     with pytest.raises(ClientError) as exc:
         await client(app)
@@ -105,12 +105,12 @@ async def test_closed_connection_left_open_by_its_client_frees_its_address_slot(
     first = await open_raw(app.listening[0][1], OPEN)
     try:
         await first.until(OPEN_CODE)
-        assert app._per_address == {"127.0.0.1": 1}
+        assert app.server.per_address == {"127.0.0.1": 1}
         await first.send(CLOSE)
         assert error_of_or_none(await first.until(CLOSE_CODE)) is None
         c = await client(app)
         await roundtrip(c)
-        assert app._per_address == {"127.0.0.1": 1}
+        assert app.server.per_address == {"127.0.0.1": 1}
         assert len(app.hub.drivers) == 2  # the first one still lingers
     finally:
         first.sock.close()

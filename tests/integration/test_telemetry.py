@@ -285,7 +285,7 @@ async def test_metrics_port_in_use_is_a_startup_error(start: Starter) -> None:
 async def test_telemetry_off_by_default(start: Starter) -> None:
     app = await start()
     assert app.telemetry is None
-    assert app._limits.route_tracer is None and app._limits.dispatch_tracer is None
+    assert app.server.limits.route_tracer is None and app.server.limits.dispatch_tracer is None
 
 
 # ---------------------------------------------------------------------- tracing

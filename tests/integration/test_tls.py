@@ -352,7 +352,7 @@ async def test_handshakes_in_progress_count_towards_max_connections(
     try:
         for sk in silent:
             await sk.connect(("127.0.0.1", port))
-        await wait_until(lambda: app._tls_handshakes == 2)
+        await wait_until(lambda: app.server.tls_handshakes == 2)
         third = trio.socket.socket()
         try:
             await third.connect(("127.0.0.1", port))
@@ -366,7 +366,7 @@ async def test_handshakes_in_progress_count_towards_max_connections(
     finally:
         for sk in silent:
             sk.close()
-    await wait_until(lambda: app._tls_handshakes == 0)
+    await wait_until(lambda: app.server.tls_handshakes == 0)
     c = await Client.connect(port, nursery=nursery, ssl_domain=pki.domain())
     await c.close()
 

@@ -401,7 +401,7 @@ async def test_coordinator_detach_rolls_back_its_transactions(
 
 async def test_transaction_bound(make_broker: BrokerFactory, client: Any) -> None:
     app = await make_broker()
-    app._limits = dataclasses.replace(app._limits, max_transaction_messages=3)
+    app.server.limits = dataclasses.replace(app.server.limits, max_transaction_messages=3)
     c = await client(app)
     co = await coordinator(c)
     s = await c.sender("tx.bound")

@@ -321,7 +321,7 @@ async def test_upgrade_without_amqp_is_refused_with_400_and_a_reason(
     assert not any(h.lower().startswith("sec-websocket-accept") for h in headers), headers
     (line,) = upgrade_failures(caplog)
     assert f"refused with HTTP {status}: {body.strip()}" in line, line
-    assert app.hub.slots == 0 and app._ws_handshakes == 0
+    assert app.hub.slots == 0 and app.server.ws_handshakes == 0
 
 
 async def test_other_http_requests_are_refused_with_a_reason(make_broker: BrokerFactory) -> None:
@@ -335,7 +335,7 @@ async def test_other_http_requests_are_refused_with_a_reason(make_broker: Broker
     assert status == 426 and "Sec-WebSocket-Version: 13" in headers, (headers, body)
     status, _, body = await raw_http(port, b"\x16\x03\x01 not http\r\n\r\n")
     assert status == 400 and "not a valid HTTP/1.1 request" in body, body
-    assert app.hub.slots == 0 and app._ws_handshakes == 0
+    assert app.hub.slots == 0 and app.server.ws_handshakes == 0
 
 
 def test_accept_token_is_rfc_6455s() -> None:
@@ -390,7 +390,7 @@ async def test_hostile_input_closes_at_once_and_frees_the_slot(
         assert closed.reason, "no reason in the close frame"
     # the max_connections and per-address slots are free right away
     assert app.hub.slots == 0
-    assert app._per_address == {}
+    assert app.server.per_address == {}
     with trio.fail_after(1):
         again = await open_amqp(port)
         await again.binary(CLOSE)
@@ -443,13 +443,13 @@ async def test_max_connections_counts_upgrades_in_progress(
     # an upgrade in progress holds the only slot: the next connection is closed at once
     slow = await trio.open_tcp_stream("127.0.0.1", port)
     await slow.send_all(b"GET / HTTP/1.1\r\n")
-    await wait_until(lambda: app._ws_handshakes == 1, timeout=1)
+    await wait_until(lambda: app.server.ws_handshakes == 1, timeout=1)
     with trio.fail_after(1):
         refused = await WsClient.connect(port)
         assert await refused.upgrade() is None
     assert "refusing WebSocket connection" in caplog.text
     await slow.aclose()
-    await wait_until(lambda: app._ws_handshakes == 0, timeout=1)
+    await wait_until(lambda: app.server.ws_handshakes == 0, timeout=1)
     with trio.fail_after(1):
         c = await open_amqp(port)
     await c.binary(CLOSE)
@@ -486,7 +486,7 @@ async def test_the_upgrade_counts_within_the_handshake_timeout(
     )
     sizes = await wait_idle(app)
     assert all(v == 0 for v in sizes.values()), sizes
-    assert app._ws_handshakes == 0
+    assert app.server.ws_handshakes == 0
 
 
 # ------------------------------------------------------------------------------ wss

@@ -1,5 +1,6 @@
-"""What every management module shares: the error with its status code, the parsed
-request, and the node's context (the broker, the live connections, the store)."""
+"""What every management module shares: the error with its status code (the one
+`ManagementError`, defined in `amqbroker.protocol.errors` and re-exported here), the
+parsed request, and the node's context (the broker, the live connections, the store)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,16 @@ from typing import Any
 from amqbroker.core.authz import ANONYMOUS_USER
 from amqbroker.core.broker import Broker
 from amqbroker.core.errors import Unauthorized
+from amqbroker.protocol.errors import ManagementError
 
 OK, CREATED, NO_CONTENT = 200, 201, 204
 BAD_REQUEST, UNAUTHORIZED, FORBIDDEN, NOT_FOUND = 400, 401, 403, 404
 NOT_ALLOWED, CONFLICT, INTERNAL = 405, 409, 500
 
+__all__ = ["ManagementError"]  # re-exported: defined in amqbroker.protocol.errors
+
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
-
-
-class ManagementError(Exception):
-    """An answer other than success: `status` and a description a person can act on."""
-
-    def __init__(self, status: int, description: str) -> None:
-        super().__init__(description)
-        self.status = status
-        self.description = description
 
 
 @dataclass

@@ -13,7 +13,14 @@ import select
 import socket
 from typing import Any
 
-from cproton_ffi import ffi, lib
+from amqbroker.protocol.binding import ffi, lib
+from amqbroker.protocol.binding import transport_capacity as _t_capacity
+from amqbroker.protocol.binding import transport_close_head as _t_close_head
+from amqbroker.protocol.binding import transport_close_tail as _t_close_tail
+from amqbroker.protocol.binding import transport_peek as _t_peek
+from amqbroker.protocol.binding import transport_pending as _t_pending
+from amqbroker.protocol.binding import transport_pop as _t_pop
+from amqbroker.protocol.binding import transport_push as _t_push
 
 # ============================================================================ workers
 #
@@ -24,46 +31,10 @@ IBUF = 256 * 1024
 OBUF = 256 * 1024
 READ_BATCH = 1024 * 1024
 
-_peek = lib.pn_collector_peek
-_pop = lib.pn_collector_pop
-_etype = lib.pn_event_type
-_edelivery = lib.pn_event_delivery
-_elink = lib.pn_event_link
-_dlink = lib.pn_delivery_link
-_partial = lib.pn_delivery_partial
-_readable = lib.pn_delivery_readable
-_pending = lib.pn_delivery_pending
-_recv = lib.pn_link_recv
-_send = lib.pn_link_send
-_advance = lib.pn_link_advance
-_new_delivery = lib.pn_delivery
-_settle = lib.pn_delivery_settle
-_update = lib.pn_delivery_update
-_remote_state = lib.pn_delivery_remote_state
-_remote_settled = lib.pn_delivery_settled
-_credit = lib.pn_link_credit
-_flow = lib.pn_link_flow
-_unsettled = lib.pn_link_unsettled
-_t_capacity = lib.pn_transport_capacity
-_t_push = lib.pn_transport_push
-_t_pending = lib.pn_transport_pending
-_t_peek = lib.pn_transport_peek
-_t_pop = lib.pn_transport_pop
-_t_close_tail = lib.pn_transport_close_tail
-_t_close_head = lib.pn_transport_close_head
-_t_tick = lib.pn_transport_tick
 PN_DELIVERY = lib.PN_DELIVERY
 PN_LINK_FLOW = lib.PN_LINK_FLOW
 PN_TRANSPORT = lib.PN_TRANSPORT
 PN_ACCEPTED = lib.PN_ACCEPTED
-_local_state = lib.pn_delivery_local
-_remote_disp = lib.pn_delivery_remote
-_disp_data = lib.pn_disposition_data
-_d_clear = lib.pn_data_clear
-_d_put_list = lib.pn_data_put_list
-_d_put_binary = lib.pn_data_put_binary
-_d_enter = lib.pn_data_enter
-_d_exit = lib.pn_data_exit
 IGNORED_EVENTS = frozenset((lib.PN_LINK_FLOW, lib.PN_TRANSPORT))
 PN_TERMINAL = frozenset((lib.PN_ACCEPTED, lib.PN_REJECTED, lib.PN_RELEASED, lib.PN_MODIFIED))
 PN_LINK_REMOTE_OPEN = lib.PN_LINK_REMOTE_OPEN

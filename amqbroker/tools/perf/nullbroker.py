@@ -17,8 +17,28 @@ from collections import deque
 from typing import Any
 
 import proton
-from cproton_ffi import ffi, lib
 
+from amqbroker.protocol.binding import collector_peek as _peek
+from amqbroker.protocol.binding import collector_pop as _pop
+from amqbroker.protocol.binding import delivery_link as _dlink
+from amqbroker.protocol.binding import delivery_partial as _partial
+from amqbroker.protocol.binding import delivery_pending as _pending
+from amqbroker.protocol.binding import delivery_readable as _readable
+from amqbroker.protocol.binding import delivery_remote_state as _remote_state
+from amqbroker.protocol.binding import delivery_settle as _settle
+from amqbroker.protocol.binding import delivery_settled as _remote_settled
+from amqbroker.protocol.binding import delivery_update as _update
+from amqbroker.protocol.binding import event_delivery as _edelivery
+from amqbroker.protocol.binding import event_link as _elink
+from amqbroker.protocol.binding import event_type as _etype
+from amqbroker.protocol.binding import ffi, lib
+from amqbroker.protocol.binding import link_advance as _advance
+from amqbroker.protocol.binding import link_credit as _credit
+from amqbroker.protocol.binding import link_flow as _flow
+from amqbroker.protocol.binding import link_recv as _recv
+from amqbroker.protocol.binding import link_send as _send
+from amqbroker.protocol.binding import new_delivery as _new_delivery
+from amqbroker.protocol.binding import transport_pending as _t_pending
 from amqbroker.tools.perf.engine import (
     IGNORED_EVENTS,
     PN_ACCEPTED,
@@ -27,26 +47,6 @@ from amqbroker.tools.perf.engine import (
     PN_LINK_REMOTE_OPEN,
     PN_TRANSPORT_CLOSED,
     Wire,
-    _advance,
-    _credit,
-    _dlink,
-    _edelivery,
-    _elink,
-    _etype,
-    _flow,
-    _new_delivery,
-    _partial,
-    _peek,
-    _pending,
-    _pop,
-    _readable,
-    _recv,
-    _remote_settled,
-    _remote_state,
-    _send,
-    _settle,
-    _t_pending,
-    _update,
     mask_for,
 )
 

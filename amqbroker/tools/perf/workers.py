@@ -27,8 +27,37 @@ from pathlib import Path
 from typing import Any
 
 import proton
-from cproton_ffi import ffi, lib
 
+from amqbroker.protocol.binding import collector_peek as _peek
+from amqbroker.protocol.binding import collector_pop as _pop
+from amqbroker.protocol.binding import data_clear as _d_clear
+from amqbroker.protocol.binding import data_enter as _d_enter
+from amqbroker.protocol.binding import data_exit as _d_exit
+from amqbroker.protocol.binding import data_put_binary as _d_put_binary
+from amqbroker.protocol.binding import data_put_list as _d_put_list
+from amqbroker.protocol.binding import delivery_link as _dlink
+from amqbroker.protocol.binding import delivery_local as _local_state
+from amqbroker.protocol.binding import delivery_partial as _partial
+from amqbroker.protocol.binding import delivery_pending as _pending
+from amqbroker.protocol.binding import delivery_readable as _readable
+from amqbroker.protocol.binding import delivery_remote as _remote_disp
+from amqbroker.protocol.binding import delivery_remote_state as _remote_state
+from amqbroker.protocol.binding import delivery_settle as _settle
+from amqbroker.protocol.binding import delivery_settled as _remote_settled
+from amqbroker.protocol.binding import delivery_update as _update
+from amqbroker.protocol.binding import disposition_data as _disp_data
+from amqbroker.protocol.binding import event_delivery as _edelivery
+from amqbroker.protocol.binding import event_type as _etype
+from amqbroker.protocol.binding import ffi, lib
+from amqbroker.protocol.binding import link_advance as _advance
+from amqbroker.protocol.binding import link_credit as _credit
+from amqbroker.protocol.binding import link_flow as _flow
+from amqbroker.protocol.binding import link_recv as _recv
+from amqbroker.protocol.binding import link_send as _send
+from amqbroker.protocol.binding import link_unsettled as _unsettled
+from amqbroker.protocol.binding import new_delivery as _new_delivery
+from amqbroker.protocol.binding import transport_pending as _t_pending
+from amqbroker.protocol.binding import transport_tick as _t_tick
 from amqbroker.tools.perf.encoding import (
     APP_PROPS_N_OFFSET,
     DECLARE_MESSAGE,
@@ -56,36 +85,7 @@ from amqbroker.tools.perf.engine import (
     PN_TRANSPORT_CLOSED,
     PN_TRANSPORT_ERROR,
     Wire,
-    _advance,
     _condition_text,
-    _credit,
-    _d_clear,
-    _d_enter,
-    _d_exit,
-    _d_put_binary,
-    _d_put_list,
-    _disp_data,
-    _dlink,
-    _edelivery,
-    _etype,
-    _flow,
-    _local_state,
-    _new_delivery,
-    _partial,
-    _peek,
-    _pending,
-    _pop,
-    _readable,
-    _recv,
-    _remote_disp,
-    _remote_settled,
-    _remote_state,
-    _send,
-    _settle,
-    _t_pending,
-    _t_tick,
-    _unsettled,
-    _update,
     mask_for,
 )
 from amqbroker.tools.perf.options import GROUP_HEAD_CACHE

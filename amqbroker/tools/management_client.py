@@ -20,9 +20,10 @@ Errors come in two kinds, and the CLI maps them to exit codes:
 
 - `ConnectError` (exit 2): the broker could not be reached or refused the login; its
   text says where, why, and what to do ("is the broker running? (amqbroker run)");
-- `ManagementError` (exit 1): the broker answered with a status other than 2xx, or
+- `RequestFailed` (exit 1): the broker answered with a status other than 2xx, or
   refused the management link (security: the user lacks `manage`); it carries the
-  status code and the broker's description.
+  operation, the status code and the broker's description. It is a
+  `amqbroker.protocol.errors.ManagementError`, the error the node raises to answer.
 
 Besides the transport, the module holds the few pure helpers the CLI needs to turn
 answers into what it prints (QUERY rows as dicts, `check` thresholds), so that the CLI
@@ -52,6 +53,7 @@ from amqbroker.protocol.client_auth import (
     ClientSecurity,
     open_authenticated,
 )
+from amqbroker.protocol.errors import ManagementError
 from amqbroker.protocol.sasl import SCRAM_SHA_256
 
 DEFAULT_URL = "amqp://127.0.0.1:5672"
@@ -74,15 +76,19 @@ class ConnectError(ManagementRequestError):
         super().__init__(f"cannot connect to {url}: {reason}; {self.hint}")
 
 
-class ManagementError(ManagementRequestError):
-    """The broker answered a request with a status other than 2xx."""
+class RequestFailed(ManagementRequestError, ManagementError):
+    """The broker answered a request with a status other than 2xx (None: no answer,
+    or a statusCode that is not a number)."""
+
+    #: wider than the node's: a client may get no answer, or a malformed one
+    status: int | None  # type: ignore[assignment]
 
     def __init__(self, operation: str, status: int | None, description: str) -> None:
+        code = status if status is not None else "no status"
+        Exception.__init__(self, f"{operation} failed ({code}): {description}")
         self.operation = operation
         self.status = status
         self.description = description
-        code = status if status is not None else "no status"
-        super().__init__(f"{operation} failed ({code}): {description}")
 
 
 def _condition_text(exc: BaseException) -> str:
@@ -225,7 +231,7 @@ class ManagementClient:
             self.sender = self.conn.create_sender("$management")
         except LinkDetached as exc:
             self.close()
-            raise ManagementError("attach", 403, _condition_text(exc)) from None
+            raise RequestFailed("attach", 403, _condition_text(exc)) from None
         except Timeout:
             self.close()
             raise ConnectError(
@@ -255,7 +261,7 @@ class ManagementClient:
         body: Any = None,
         **properties: Any,
     ) -> Any:
-        """Send one request; return the answer's body or raise `ManagementError`."""
+        """Send one request; return the answer's body or raise `RequestFailed`."""
         rid = str(uuid.uuid4())
         props: dict[str, Any] = {"operation": operation, "type": entity_type(type)}
         if name is not None:
@@ -270,11 +276,11 @@ class ManagementClient:
                 if reply.correlation_id == rid:
                     break
         except Timeout:
-            raise ManagementError(
+            raise RequestFailed(
                 operation, None, f"no answer within {self.timeout:g} s; the broker may be busy"
             ) from None
         except LinkDetached as exc:
-            raise ManagementError(operation, None, _condition_text(exc)) from None
+            raise RequestFailed(operation, None, _condition_text(exc)) from None
         except ConnectionException as exc:
             raise ConnectError(
                 self.url, f"the connection was lost: {_condition_text(exc)}"
@@ -283,7 +289,7 @@ class ManagementClient:
         answer = {str(k): v for k, v in raw.items()}
         status = answer.get("statusCode")
         if not isinstance(status, int) or not 200 <= status < 300:
-            raise ManagementError(operation, status, str(answer.get("statusDescription")))
+            raise RequestFailed(operation, status, str(answer.get("statusDescription")))
         return reply.body
 
     def read(self, type: str, name: str) -> dict[str, Any]:

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from amqbroker.core.entry import Entry
-from amqbroker.store import journal as journal_mod
-from amqbroker.store import records
+from amqbroker.store import journal_compaction, records
 from amqbroker.store.journal import (
     Journal,
     JournalError,
@@ -707,7 +706,7 @@ def test_crash_during_compaction_loses_and_resurrects_nothing(
 ) -> None:
     # small relocation steps and batches, so that crashes hit a half-relocated segment
     # and relocations whose records are spread over several batches
-    monkeypatch.setattr(journal_mod, "_RELOCATE_RECORDS", 1)
+    monkeypatch.setattr(journal_compaction, "_RELOCATE_RECORDS", 1)
     kw: dict[str, Any] = {"segment_size": 4096, "compact_min_bytes": 12288, "max_batch_bytes": 400}
     live_dir = tmp_path / "live"
     j, _ = open_journal(live_dir, **kw)

@@ -49,14 +49,13 @@ import proton
 from proton.handlers import IOHandler
 
 from amqbroker.core.auth import MAX_ITERATIONS, saslprep
-from amqbroker.protocol.sasl import (
+from amqbroker.protocol.sasl import SCRAM_SHA_256, SaslError
+from amqbroker.protocol.sasl_frames import (
     SASL_HEADER,
-    SCRAM_SHA_256,
     Input,
     Outcome,
-    SaslError,
-    _decode_body,
-    _encode_frame,
+    decode_body,
+    encode_frame,
 )
 
 MECHANISMS = ("PLAIN", SCRAM_SHA_256, "EXTERNAL", "ANONYMOUS")
@@ -219,7 +218,7 @@ class _Frames:
             raise ClientAuthError(f"the broker sent a malformed SASL frame (type {ftype})")
         rest = self.read(size - 8)
         try:
-            kind, data = _decode_body(rest[doff * 4 - 8 :])
+            kind, data = decode_body(rest[doff * 4 - 8 :])
         except SaslError as exc:
             raise ClientAuthError(f"the broker sent a malformed SASL frame: {exc}") from None
         fields: list[Any] = []
@@ -240,11 +239,11 @@ def _init_frame(mechanism: str, response: bytes | None, hostname: str | None) ->
         if hostname:
             data.put_string(hostname)
 
-    return _encode_frame(_SASL_INIT, fill)
+    return encode_frame(_SASL_INIT, fill)
 
 
 def _response_frame(response: bytes) -> bytes:
-    return _encode_frame(_SASL_RESPONSE, lambda data: data.put_binary(response))
+    return encode_frame(_SASL_RESPONSE, lambda data: data.put_binary(response))
 
 
 def authenticate(

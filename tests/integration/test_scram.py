@@ -27,7 +27,7 @@ from proton import Connection, Endpoint, SSLDomain, Transport
 
 from amqbroker.app import BrokerApp
 from amqbroker.core.auth import hash_password, hash_password_scram
-from amqbroker.protocol import sasl as sasl_module
+from amqbroker.protocol import sasl_scram
 from tests.client import Client, ClientError
 from tests.conftest import BrokerFactory
 from tests.integration.broker_process import clean_env
@@ -163,13 +163,13 @@ async def test_scramp_logs_in_and_the_connection_works(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     verified_in: list[bool] = []
-    real_verify = sasl_module.scram_verify
+    real_verify = sasl_scram.scram_verify
 
     def recording(*args: Any) -> Any:
         verified_in.append(threading.current_thread() is threading.main_thread())
         return real_verify(*args)
 
-    monkeypatch.setattr(sasl_module, "scram_verify", recording)
+    monkeypatch.setattr(sasl_scram, "scram_verify", recording)
     app = await make_broker(users=USERS, require_auth=True)
     w = await wire(port_of(app))
     assert await w.mechanisms() == [SCRAM, "PLAIN"]

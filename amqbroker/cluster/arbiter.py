@@ -44,13 +44,14 @@ import trio
 
 from amqbroker.cluster.decisions import BIND, UNBIND, Decision, DecisionLog
 from amqbroker.cluster.election import Fence
+from amqbroker.core.errors import LocalError
 
 log = logging.getLogger(__name__)
 
 SPOF_WARNING = "the grouping arbiter is a single point of failure (no ZooKeeper configured)"
 
 
-class NotArbiter(Exception):
+class NotArbiter(LocalError):
     """This node is not the arbiter (any more)."""
 
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 import enum
 from typing import Final, NamedTuple
 
+from amqbroker.core.errors import LocalError
+
 __all__ = [
     "ON_ROUTE",
     "TRANSITIONS",
@@ -100,7 +102,7 @@ class Transition(NamedTuple):
     actions: tuple[Action, ...]
 
 
-class IllegalTransition(Exception):
+class IllegalTransition(LocalError):
     """An event that cannot happen in the key's state (not in TRANSITIONS)."""
 
     def __init__(self, state: State, event: Event) -> None:

@@ -40,7 +40,6 @@ import secrets
 import select
 import socket
 import ssl
-import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,7 @@ from proton.handlers import IOHandler
 from amqbroker.core.auth import MAX_ITERATIONS, saslprep
 from amqbroker.protocol.sasl import SCRAM_SHA_256, SaslError
 from amqbroker.protocol.sasl_frames import (
+    FRAME_HEADER,
     SASL_HEADER,
     Input,
     Outcome,
@@ -59,7 +59,6 @@ from amqbroker.protocol.sasl_frames import (
 )
 
 MECHANISMS = ("PLAIN", SCRAM_SHA_256, "EXTERNAL", "ANONYMOUS")
-_FRAME_HEADER = struct.Struct(">IBBH")
 _MAX_FRAME = 65536
 _SASL_INIT, _SASL_RESPONSE = 0x41, 0x43
 _CREDENTIALS_HINT = "check --user/--password (AMQBROKER_USER, AMQBROKER_PASSWORD)"
@@ -213,7 +212,7 @@ class _Frames:
         return bytes(buf)
 
     def frame(self) -> tuple[Input, list[Any]]:
-        size, doff, ftype, _ = _FRAME_HEADER.unpack(self.read(8))
+        size, doff, ftype, _ = FRAME_HEADER.unpack(self.read(8))
         if ftype != 1 or size > _MAX_FRAME or doff < 2 or doff * 4 > size:
             raise ClientAuthError(f"the broker sent a malformed SASL frame (type {ftype})")
         rest = self.read(size - 8)

@@ -33,7 +33,7 @@ from typing import Any
 
 import proton
 
-__all__ = ["Message", "Unsupported", "decode", "encode"]
+__all__ = ["Message", "Unsupported", "decode", "decode_any", "encode", "encode_any"]
 
 
 class Unsupported(ValueError):
@@ -452,3 +452,57 @@ def decode(data: bytes) -> Message:
         else:
             raise Unsupported(f"section 0x{code:x}")
     return m
+
+
+def encode_any(
+    *,
+    id: Any = None,
+    correlation_id: Any = None,
+    reply_to: str | None = None,
+    to: str | None = None,
+    properties: dict[Any, Any] | None = None,
+    body: Any = None,
+) -> bytes:
+    """`encode`, or `proton.Message` for what the hand codec does not write."""
+    try:
+        return encode(
+            id=id,
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            to=to,
+            properties=properties,
+            body=body,
+        )
+    except Unsupported:
+        pass
+    m: Any = proton.Message(body=body)
+    for name, value in (
+        ("id", id),
+        ("correlation_id", correlation_id),
+        ("reply_to", reply_to),
+        ("address", to),
+    ):
+        if value is not None:
+            setattr(m, name, value)
+    if properties:
+        m.properties = dict(properties)
+    return bytes(m.encode())
+
+
+def decode_any(data: bytes) -> Message:
+    """`decode`, or `proton.Message` for what the hand codec does not read (proton's
+    exception for bytes that are not a message)."""
+    try:
+        return decode(data)
+    except Unsupported:
+        pass
+    m = proton.Message()
+    m.decode(data)
+    return Message(
+        id=m.id,
+        correlation_id=m.correlation_id,
+        reply_to=m.reply_to,
+        address=m.address,
+        properties=m.properties,
+        body=m.body,
+    )

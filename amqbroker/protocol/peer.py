@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import proton
-from proton import Collector, Connection, Delivery, Endpoint, Event, Link, Message, Transport
+from proton import Collector, Connection, Delivery, Endpoint, Event, Link, Transport
 
 from amqbroker.protocol import amqp_message
 from amqbroker.protocol import fastpath as fp
@@ -83,46 +83,18 @@ def encode_message(
     properties: dict[str, Any] | None = None,
     body: Any = None,
 ) -> bytes:
-    try:
-        return amqp_message.encode(
-            id=id,
-            correlation_id=correlation_id,
-            reply_to=reply_to,
-            to=to,
-            properties=properties,
-            body=body,
-        )
-    except amqp_message.Unsupported:
-        pass  # a value the hand codec does not write: proton does
-    m: Any = Message(body=body)
-    if id is not None:
-        m.id = id
-    if correlation_id is not None:
-        m.correlation_id = correlation_id
-    if reply_to is not None:
-        m.reply_to = reply_to
-    if to is not None:
-        m.address = to
-    if properties:
-        m.properties = dict(properties)
-    return bytes(m.encode())
+    return amqp_message.encode_any(
+        id=id,
+        correlation_id=correlation_id,
+        reply_to=reply_to,
+        to=to,
+        properties=properties,
+        body=body,
+    )
 
 
 def decode_message(data: bytes) -> PeerMessage:
-    try:
-        h = amqp_message.decode(data)
-    except amqp_message.Unsupported:
-        pass  # proton reads it, or says what is wrong with it
-    else:
-        return PeerMessage(
-            id=h.id,
-            correlation_id=h.correlation_id,
-            reply_to=h.reply_to,
-            properties=dict(h.properties or {}),
-            body=h.body,
-        )
-    m = Message()
-    m.decode(data)
+    m = amqp_message.decode_any(data)
     return PeerMessage(
         id=m.id,
         correlation_id=m.correlation_id,

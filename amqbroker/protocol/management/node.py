@@ -136,7 +136,9 @@ class ManagementNode:
         return ManagementLink(self, conn, link)
 
     # ---------------------------------------------------------------- requests
-    def handle(self, request: proton.Message, conn: Any = None) -> proton.Message:
+    def handle(
+        self, request: amqp_message.Message | proton.Message, conn: Any = None
+    ) -> proton.Message:
         """Answer one request (never raises: every failure is a status code)."""
         self.requests += 1
         raw: dict[Any, Any] = dict(request.properties or {})
@@ -296,7 +298,9 @@ _IDENTITY_HINT = {
 }
 
 
-def _parse(request: proton.Message, props: dict[str, Any], conn: Any) -> Request:
+def _parse(
+    request: amqp_message.Message | proton.Message, props: dict[str, Any], conn: Any
+) -> Request:
     op = props.get("operation")
     if not isinstance(op, str) or not op:
         raise ManagementError(
@@ -342,16 +346,11 @@ class ManagementLink:
         if data is None:
             return
         fp.flow(self.ptr, 1)
-        request: Any
         try:
-            request = amqp_message.decode(data)
-        except amqp_message.Unsupported:
-            request = proton.Message()  # a shape the hand codec leaves to proton
-            try:
-                request.decode(data)
-            except Exception as exc:
-                fp.reject(d, "amqp:decode-error", f"malformed management request: {exc}")
-                return
+            request = amqp_message.decode_any(data)
+        except Exception as exc:
+            fp.reject(d, "amqp:decode-error", f"malformed management request: {exc}")
+            return
         if not request.reply_to:
             fp.reject(
                 d,
@@ -440,16 +439,9 @@ class ManagementLink:
                 return
             answered = True
             props = {"statusCode": status, "statusDescription": description}
-            try:
-                data = amqp_message.encode(
-                    to=reply_to, correlation_id=corr, properties=props, body=body
-                )
-            except amqp_message.Unsupported:  # a value the hand codec does not write
-                reply = proton.Message(body=body)
-                reply.address = reply_to
-                reply.correlation_id = corr
-                reply.properties = props  # type: ignore[assignment]
-                data = bytes(reply.encode())
+            data = amqp_message.encode_any(
+                to=reply_to, correlation_id=corr, properties=props, body=body
+            )
             try:
                 broker.route(broker.address_for_relay(reply_to), Entry(data))
             except BrokerError as exc:

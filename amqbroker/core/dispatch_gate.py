@@ -16,19 +16,58 @@ enqueue fast path tests that one flag.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from amqbroker.core.group_dispatch import GroupDispatcher
-    from amqbroker.core.timers import Timer
+    from amqbroker.core.timers import Timer, Timers
 
 log = logging.getLogger("amqbroker.core.queue")
+
+
+class GatePolicy(Protocol):
+    @property
+    def consumers_before_dispatch(self) -> int: ...
+
+    @property
+    def delay_before_dispatch(self) -> int: ...
+
+    @property
+    def group_pause_dispatch_timeout(self) -> int: ...
+
+
+class GatedQueue(Protocol):
+    """The queue as its gate sees it (`amqbroker.core.queue.Queue`)."""
+
+    name: str
+    inflight: int
+    deleted: bool
+    timers: Timers
+    clock: Callable[[], float]
+
+    @property
+    def policy(self) -> GatePolicy: ...
+
+
+class Gated(Protocol):
+    """The dispatcher as its gate sees it (`GroupDispatcher`)."""
+
+    flowing: bool
+    consumers_n: int
+
+    @property
+    def q(self) -> GatedQueue: ...
+
+    def dispatch(self) -> None: ...
+
+    def serve_parked(self) -> None:
+        """Serve every consumer that has parked groups and credit."""
 
 
 class DispatchGate:
     __slots__ = ("admin_paused", "d", "gate_timer", "open", "pause_timer", "paused")
 
-    def __init__(self, d: GroupDispatcher) -> None:
+    def __init__(self, d: Gated) -> None:
         self.d = d
         self.open = False
         self.paused = False
@@ -113,12 +152,8 @@ class DispatchGate:
         if self.pause_timer is not None:
             self.pause_timer.cancel()
             self.pause_timer = None
-        d = self.d
-        for tier in d.tiers:
-            for c in tier.consumers:
-                if c.parked_groups and c.credit > 0:
-                    d.serve(c)
-        d.dispatch()
+        self.d.serve_parked()
+        self.d.dispatch()
 
     # ----------------------------------------------------------- admin pause
     def admin_pause(self) -> bool:
@@ -135,11 +170,8 @@ class DispatchGate:
             return False
         self.admin_paused = False
         self._sync()
-        d = self.d
-        for c in d.consumers():
-            if c.parked_groups and c.credit > 0 and not c.blocked:
-                d.serve(c)
-        d.dispatch()
+        self.d.serve_parked()
+        self.d.dispatch()
         return True
 
     def close(self) -> None:

@@ -134,6 +134,12 @@ class GroupDispatcher:
     def consumers(self) -> list[Consumer]:
         return [c for t in self.tiers for c in t.consumers]
 
+    def serve_parked(self) -> None:
+        """Serve every consumer that has parked groups and credit (dispatch resumes)."""
+        for c in self.consumers():
+            if c.parked_groups and c.credit > 0 and not c.blocked:
+                self.serve(c)
+
     # ------------------------------------------------------------ the decision
     def offer(self, e: Entry) -> int:
         """Deliver `e` (the head of the main order, taken out of it) if a consumer may

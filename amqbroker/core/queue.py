@@ -202,7 +202,6 @@ class Queue:
         self._groups = d.table
         # the dispatcher's operations, under the queue's names
         self.dispatch = d.dispatch
-        self.add_consumer = d.add_consumer
         self.remove_consumer = d.remove_consumer
         self.credit_changed = d.credit_changed
         self.consumers = d.consumers
@@ -487,6 +486,10 @@ class Queue:
         self.release(Consumer("(detached)"), e, delivery_failed=delivery_failed)
 
     # ------------------------------------------------------------------ state
+    def add_consumer(self, c: Consumer) -> None:
+        c.queue = self
+        self.dispatcher.add_consumer(c)
+
     @property
     def dispatching(self) -> bool:
         return self.dispatcher.gate.dispatching

@@ -17,16 +17,43 @@ Hot path: `enqueue` and `ack` test `armed` and call `stamp` only when it is Fals
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from amqbroker.core.queue import Queue
+    from amqbroker.core.consumer import Consumer
+    from amqbroker.core.timers import Timers
+
+
+class AgePolicy(Protocol):
+    @property
+    def age_marks(self) -> int: ...
+
+    @property
+    def age_resolution(self) -> float: ...
+
+
+class AgedQueue(Protocol):
+    """The queue as its arrival marks see it (`amqbroker.core.queue.Queue`)."""
+
+    clock: Callable[[], float]
+    timers: Timers
+    last_seq: int
+    paged_count: int
+    page_mark: int
+
+    @property
+    def policy(self) -> AgePolicy: ...
+
+    def oldest_waiting_seq(self) -> int | None: ...
+
+    def consumers(self) -> list[Consumer]: ...
 
 
 class ArrivalMarks:
     __slots__ = ("armed", "coarse", "marks", "q")
 
-    def __init__(self, q: Queue) -> None:
+    def __init__(self, q: AgedQueue) -> None:
         self.q = q
         self.armed = False
         self.coarse = 0.0

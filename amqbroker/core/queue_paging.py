@@ -12,14 +12,54 @@ under the same names.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
+
+from amqbroker.core.group_dispatch import QueueStore
 
 if TYPE_CHECKING:
     from amqbroker.core.entry import Entry
-    from amqbroker.core.queue import Queue
 
 
-def page_out(q: Queue, e: Entry) -> None:
+class PageStore(Protocol):
+    def page(self, qid: int, entry: Entry) -> None: ...
+
+    def drop(self, qid: int) -> None: ...
+
+
+class PagingBudget(Protocol):
+    paging: set[Any]
+
+
+class PagingAddress(Protocol):
+    @property
+    def budget(self) -> PagingBudget: ...
+
+
+class PagingQueue(QueueStore, Protocol):
+    """The queue as its paging sees it (`amqbroker.core.queue.Queue`)."""
+
+    count: int
+    enqueued: int
+    paged_count: int
+    paged_bytes: int
+    page_mark: int
+    last_paged: int
+    last_seq: int
+
+    @property
+    def pager(self) -> PageStore | None: ...
+
+    @property
+    def address(self) -> PagingAddress | None: ...
+
+    def account(self, e: Entry) -> None: ...
+
+    def schedule(self, e: Entry) -> bool: ...
+
+    def dispatch(self) -> None: ...
+
+
+def page_out(q: PagingQueue, e: Entry) -> None:
     """`e` (seq set) goes to the page instead of memory. A durable message is not
     journaled while paged: the page record is its durable copy."""
     assert q.pager is not None
@@ -34,7 +74,7 @@ def page_out(q: Queue, e: Entry) -> None:
     q.pager.page(q.qid, e)
 
 
-def depage(q: Queue, entries: Iterable[Entry]) -> None:
+def depage(q: PagingQueue, entries: Iterable[Entry]) -> None:
     """Take back the oldest paged messages (in seq order, seq kept): they join the
     tail of the main order and are dispatched like arriving messages. A durable
     one on a durable queue is journaled now (the broker wraps this call and the
@@ -45,7 +85,7 @@ def depage(q: Queue, entries: Iterable[Entry]) -> None:
         q.paged_bytes -= n
         q.count -= 1
         q.page_mark = e.seq
-        e.gkey = q.key_of(e.group_id) if (e.group_id is not None or q.policy.exclusive) else None
+        e.gkey = q.key_of(e.group_id)
         q.account(e)
         if q.durable and e.durable:
             q.store.message_added(q.qid, e)
@@ -56,7 +96,7 @@ def depage(q: Queue, entries: Iterable[Entry]) -> None:
     q.dispatch()
 
 
-def page_lost(q: Queue, n: int, nbytes: int) -> None:
+def page_lost(q: PagingQueue, n: int, nbytes: int) -> None:
     """Paged messages the store could not read back (corrupt page, logged)."""
     q.paged_count -= n
     q.paged_bytes -= nbytes
@@ -64,7 +104,7 @@ def page_lost(q: Queue, n: int, nbytes: int) -> None:
     paging_ended(q)
 
 
-def restore_paged(q: Queue, n: int, nbytes: int, max_seq: int, mark: int) -> None:
+def restore_paged(q: PagingQueue, n: int, nbytes: int, max_seq: int, mark: int) -> None:
     """Recovery: `n` durable messages are in the page (seq up to `max_seq`);
     `mark` is the persisted `paged_through`."""
     q.page_mark = mark
@@ -78,7 +118,7 @@ def restore_paged(q: Queue, n: int, nbytes: int, max_seq: int, mark: int) -> Non
             q.address.budget.paging.add(q)
 
 
-def drop_paged(q: Queue) -> int:
+def drop_paged(q: PagingQueue) -> int:
     n = q.paged_count
     if n and q.pager is not None:
         q.pager.drop(q.qid)
@@ -90,6 +130,6 @@ def drop_paged(q: Queue) -> int:
     return n
 
 
-def paging_ended(q: Queue) -> None:
+def paging_ended(q: PagingQueue) -> None:
     if not q.paged_count and q.address is not None:
         q.address.budget.paging.discard(q)

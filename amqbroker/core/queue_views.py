@@ -12,17 +12,30 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from amqbroker.core.arrivals import ArrivalMarks
+from amqbroker.core.group_dispatch import GroupDispatcher, QueueStore
 from amqbroker.core.groups import EXCLUSIVE, Group, key_name
 
 if TYPE_CHECKING:
     from amqbroker.core.consumer import Consumer
     from amqbroker.core.entry import Entry
-    from amqbroker.core.queue import Queue
 
 
-def all_waiting(q: Queue) -> Iterable[Entry]:
+class ViewedQueue(QueueStore, Protocol):
+    """The queue as its views see it (`amqbroker.core.queue.Queue`)."""
+
+    last_seq: int
+    dispatcher: GroupDispatcher
+    ages: ArrivalMarks
+
+    def consumers(self) -> list[Consumer]: ...
+
+    def dispatch(self) -> None: ...
+
+
+def all_waiting(q: ViewedQueue) -> Iterable[Entry]:
     for dq in q.levels:
         yield from dq
     for g in q.dispatcher.table.values():
@@ -35,7 +48,7 @@ def browse_order(e: Entry) -> tuple[int, int]:
     return (-e.priority, e.seq)
 
 
-def browse(q: Queue) -> list[Entry]:
+def browse(q: ViewedQueue) -> list[Entry]:
     """The messages waiting in the queue (not in flight, not scheduled), in queue
     order: what a browser (distribution-mode copy) sees, as a snapshot."""
     out = list(all_waiting(q))
@@ -48,7 +61,7 @@ def unsettled(c: Consumer) -> Iterable[Entry]:
     return f() if f is not None else ()
 
 
-def oldest_waiting_seq(q: Queue) -> int | None:
+def oldest_waiting_seq(q: ViewedQueue) -> int | None:
     """Seq of the oldest message waiting in memory (not in flight or delayed)."""
     lo = q.last_seq + 1
     for dq in q.levels:
@@ -63,11 +76,11 @@ def oldest_waiting_seq(q: Queue) -> int | None:
 
 
 # ------------------------------------------------------------------- groups
-def group_count(q: Queue) -> int:
+def group_count(q: ViewedQueue) -> int:
     return sum(1 for g in q.dispatcher.table.values() if g.key is not EXCLUSIVE and g.owner)
 
 
-def group_blocked_seconds(q: Queue) -> float:
+def group_blocked_seconds(q: ViewedQueue) -> float:
     """Seconds groups have spent blocked: ended episodes plus the ongoing ones
     (so the figure grows while a group waits, and never goes back). O(groups)."""
     now = q.clock()
@@ -75,7 +88,7 @@ def group_blocked_seconds(q: Queue) -> float:
     return d.blocked_time + sum(now - g.parked_at for g in d.table.values() if g.parked_at)
 
 
-def largest_groups(q: Queue, n: int) -> list[tuple[str, int, int]]:
+def largest_groups(q: ViewedQueue, n: int) -> list[tuple[str, int, int]]:
     """(group name, waiting messages, seq of its oldest waiting message) for the
     `n` groups with the most waiting messages (main order + parked, not in flight).
     O(waiting messages): for a periodic collector, not the hot path."""
@@ -97,7 +110,7 @@ def largest_groups(q: Queue, n: int) -> list[tuple[str, int, int]]:
     return [(key_name(k), b[0], b[1]) for k, b in top]
 
 
-def list_groups(q: Queue) -> list[dict[str, Any]]:
+def list_groups(q: ViewedQueue) -> list[dict[str, Any]]:
     backlog: dict[Any, int] = {}
     for e in all_waiting(q):
         if e.gkey is not None:
@@ -128,7 +141,7 @@ def list_groups(q: Queue) -> list[dict[str, Any]]:
     return out
 
 
-def group_details(q: Queue) -> list[dict[str, Any]]:
+def group_details(q: ViewedQueue) -> list[dict[str, Any]]:
     """`list_groups` rows plus what management shows: `bucket` (index when
     bucketed), `settled_at`, and the oldest waiting message (`oldest_seq`) with
     its `oldest_arrival` time (None when nothing of the group waits)."""
@@ -149,7 +162,7 @@ def group_details(q: Queue) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------- bulk removal of waiting messages
-def _take(q: Queue, take: Callable[[Entry], bool]) -> tuple[list[Entry], list[Group]]:
+def _take(q: ViewedQueue, take: Callable[[Entry], bool]) -> tuple[list[Entry], list[Group]]:
     """Take every waiting message `take` accepts out of the main order, the parked
     deques and the unmatched messages (still counted: the caller removes them).
     Returns them and the groups whose parked deques lost some."""
@@ -183,7 +196,7 @@ def _take(q: Queue, take: Callable[[Entry], bool]) -> tuple[list[Entry], list[Gr
     return taken, touched
 
 
-def expire_scan(q: Queue) -> int:
+def expire_scan(q: ViewedQueue) -> int:
     """Periodic reaper: remove expired messages that are not in flight."""
     now_ms = int(q.clock() * 1000)
     expired, touched = _take(q, lambda e: bool(e.expiry and e.expiry <= now_ms))
@@ -195,7 +208,9 @@ def expire_scan(q: Queue) -> int:
     return len(expired)
 
 
-def take_waiting(q: Queue, match: Callable[[Entry], bool], sink: Callable[[Entry], None]) -> int:
+def take_waiting(
+    q: ViewedQueue, match: Callable[[Entry], bool], sink: Callable[[Entry], None]
+) -> int:
     """Take every waiting message `match` accepts (main order, parked, unmatched;
     not in flight, delayed or paged) out of the queue: `sink` gets each one, in
     queue order, before the queue forgets it, so a move to another queue records

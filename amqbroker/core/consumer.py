@@ -40,6 +40,7 @@ class BoundGroup(Protocol):
     parked: deque[Entry] | None
     held: int
     waiting: bool
+    parked_at: float
 
 
 class Consumer:

@@ -189,6 +189,8 @@ class GroupDispatcher:
         self.flowing = False
         self.gate = DispatchGate(self)
         self.choose_owner: OwnerPolicy = round_robin
+        #: the bound group `offer` last declined a message for (the pass parks it there)
+        self.last_group: Group = Group(None, None, 0.0)
         self.first = False
 
     def set_policy(self) -> None:
@@ -231,6 +233,7 @@ class GroupDispatcher:
                 self.deliver(c, e, self.first)
             return DELIVERED
         o = g.owner
+        self.last_group = g
         if g.parked is not None or g.held or o is None:
             return WAIT_GROUP
         if o.credit <= 0 or o.blocked:
@@ -280,7 +283,14 @@ class GroupDispatcher:
             return
         if not gate.open and not gate.check():
             return
-        if not any_ready(self.tiers):
+        for tier in self.tiers:  # `any_ready`, inline: this runs once per arrival
+            for c in tier.consumers:
+                if c.credit > 0 and not c.blocked:
+                    break
+            else:
+                continue
+            break
+        else:
             return  # every consumer is busy: nothing can move
         self.in_dispatch = True
         try:
@@ -298,7 +308,6 @@ class GroupDispatcher:
         budget = policy.dispatch_batch
         strict = not policy.group_skip_ahead
         levels = q.levels
-        table = self.table
         offer = self.offer
         now_ms = -1  # read the clock only when a message has an expiry
         while budget > 0:
@@ -333,15 +342,18 @@ class GroupDispatcher:
                 else:
                     self.step(WAIT, key, e)
                 continue
-            g = table[key]
+            g = self.last_group  # the group `offer` looked at
             if r == OWNER_BUSY and strict:
                 dq.appendleft(e)
                 q.n_main += 1
                 return
-            if g.parked is not None:
-                g.parked.append(e)  # newer than every parked message: no state change
+            pq = g.parked
+            if pq is not None:
+                pq.append(e)  # newer than every parked message: no state change
             else:
-                self.step(PARK, key, e)
+                # PARK, inline (the hot path): the effect `step` applies
+                g.parked = deque((e,))
+                g.parked_at = q.clock()
             if r == OWNER_BUSY:
                 if not g.waiting:
                     g.waiting = True
@@ -394,7 +406,11 @@ class GroupDispatcher:
                     break
             else:
                 if not pq:
-                    self.step(DRAIN, g.key)
+                    # DRAIN, inline (the hot path): the effect `step` applies
+                    g.parked = None
+                    if g.parked_at:
+                        self.blocked_time += q.clock() - g.parked_at
+                        g.parked_at = 0.0
                     g.waiting = False
                     pg.popleft()
 

@@ -199,7 +199,10 @@ class Queue:
         self.last_paged = 0
         self.first_key: str | None = None
         d = self.dispatcher = GroupDispatcher(self)
+        # the hot path's shortcuts into the dispatcher (objects it never replaces)
         self._groups = d.table
+        self._marks = d.marks
+        self._gate = d.gate
         # the dispatcher's operations, under the queue's names
         self.dispatch = d.dispatch
         self.remove_consumer = d.remove_consumer
@@ -365,18 +368,16 @@ class Queue:
         if not c.inflight and not self.n_main and not c.parked_groups:
             c.idle_marks += 1
         if e.gkey is not None:  # the group's settle time, inline: this is the hot path
-            ages = self.ages
-            if not ages.armed:
-                ages.stamp(self.last_seq + 1)
+            if not self.ages.armed:
+                self.ages.stamp(self.last_seq + 1)
             g = self._groups.get(e.gkey)
             if g is not None:
-                g.settled_at = ages.coarse
+                g.settled_at = self.ages.coarse
         if self.dlog is not None:
             self.dlog.event(dl.SETTLED, self.name, e, c, dl.ACCEPTED)
         self.remove(e)
-        gate = self.dispatcher.gate
-        if gate.paused and not self.inflight:
-            gate.check_pause()
+        if self._gate.paused and not self.inflight:
+            self._gate.check_pause()
 
     def reject(self, c: Consumer, e: Entry) -> None:
         """`rejected`: dead-letter (or drop when no dead-letter address is set)."""
@@ -390,9 +391,8 @@ class Queue:
         _group_settled(self, e)
         self.host.dead_letter(self, e, "rejected by consumer")
         self.remove(e)
-        gate = self.dispatcher.gate
-        if gate.paused and not self.inflight:
-            gate.check_pause()
+        if self._gate.paused and not self.inflight:
+            self._gate.check_pause()
         _idle_mark(self, c)
 
     def release(
@@ -455,9 +455,8 @@ class Queue:
                 a.unblock()
             if b.paging and b.on_room is not None:
                 b.on_room()
-        marks = self.dispatcher.marks
-        if marks:
-            marks.pop(e, None)
+        if self._marks:
+            self._marks.pop(e, None)
         if self.durable and e.durable:
             self.store.message_acked(self.qid, e)
 

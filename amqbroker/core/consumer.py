@@ -23,12 +23,24 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from amqbroker.core.entry import Entry
-    from amqbroker.core.groups import Group
     from amqbroker.core.queue import Queue
+
+
+class BoundGroup(Protocol):
+    """A group as its owner holds it (`amqbroker.core.groups.Group`): what a consumer's
+    `bound` and `parked_groups` give the dispatcher. A Protocol, so this module does
+    not import the group machinery (which imports it)."""
+
+    key: Any
+    owner: Consumer | None
+    parked: deque[Entry] | None
+    held: int
+    waiting: bool
+    parked_at: float
 
 
 class Consumer:
@@ -84,9 +96,9 @@ class Consumer:
         #: unsettled deliveries to this consumer
         self.inflight = 0
         #: groups bound to this consumer, keyed by group key
-        self.bound: dict[Any, Group] = {}
+        self.bound: dict[Any, BoundGroup] = {}
         #: bound groups with parked messages waiting for this consumer's credit
-        self.parked_groups: deque[Group] = deque()
+        self.parked_groups: deque[BoundGroup] = deque()
         self.last_delivery = 0.0
         self.attached_at = 0.0
         #: attach order within the queue (tie breaker)

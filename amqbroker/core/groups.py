@@ -1,4 +1,4 @@
-"""Group keys, bucket hashing and the per-group state of a queue.
+"""Group keys, bucket hashing, the per-group state of a queue and its lifecycle.
 
 A queue's *group table* maps a group key to a `Group`. The key is the group id
 (`group-buckets = -1`), a bucket index (`group-buckets = N`), or `EXCLUSIVE` for an
@@ -9,6 +9,28 @@ Bucket hashing reproduces Artemis's `SimpleString.hashCode` so a group lands in 
 same bucket as on Artemis (GROUPING.md 3.2): UTF-16LE bytes, each taken as a signed
 byte, h = int32(31*h + b); bucket = (h & 0x7FFFFFFF) % N. The management key
 `_AMQ_GROUP_BUCKET_INT_KEY_<n>` names bucket (n & 0x7FFFFFFF) % N directly.
+
+Group lifecycle
+---------------
+A group's state is read off its fields (`state_of`), never stored twice:
+
+========  ==========================================================================
+FREE      not in the group table (the next message binds it afresh)
+BOUND     has an owner; nothing parked, not held
+BLOCKED   has an owner and parked messages (owner busy, or an earlier message back)
+STUCK     the owner refused the group's head message (filter / undeliverable-here);
+          reported once, cleared by unbind, or when the head expires or is taken
+HELD      `held` > 0: a message of the group waits out a delay, or a cluster node
+          holds it; nothing of the group is delivered (owner or not)
+ORPHAN    no owner, not held: nobody ready accepted its first message; its messages
+          wait parked until a consumer change or credit retries them
+========  ==========================================================================
+
+`TRANSITIONS` is the table of legal (state, event) pairs with the states each may
+lead to; `GroupDispatcher.step` (core/group_dispatch.py) is the one function that
+applies an event, and raises `IllegalGroupTransition` for a pair not in the table.
+Appending to an already non-empty parked deque is not an event (the state does not
+change): the dispatch pass does that inline.
 """
 
 from __future__ import annotations
@@ -58,6 +80,73 @@ def key_name(key: Any) -> str:
     if isinstance(key, int):
         return f"{BUCKET_KEY_PREFIX}{key}"
     return str(key)
+
+
+# states
+FREE = "free"
+BOUND = "bound"
+BLOCKED = "blocked"
+STUCK = "stuck"
+HELD = "held"
+ORPHAN = "orphan"
+
+# events
+BIND = "bind"  # a consumer takes the first message of a free group
+WAIT = "wait"  # nobody ready accepts the first message: the group waits owner-less
+PARK = "park"  # a message joins the group's parked messages (at its seq position)
+STICK = "stick"  # the owner refused the head message
+DRAIN = "drain"  # the parked messages are all gone (delivered or expired)
+HOLD = "hold"  # one more hold (delay, redelivery delay, cluster node)
+UNHOLD = "unhold"  # one hold ends; the last one resumes the group
+RESUME = "resume"  # the group may move: owner served, owner-less one rebinds afresh
+UNSTICK = "unstick"  # the stuck head may be gone (expired, taken): clear, resume
+UNBIND = "unbind"  # the owner lets go (close, detach, reset, rebalance)
+
+_OWNED = (BOUND, BLOCKED, STUCK)
+_LIVE = (*_OWNED, HELD, ORPHAN)
+
+#: (state, event) -> the states the event may lead to
+TRANSITIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    (FREE, BIND): (BOUND,),
+    (FREE, WAIT): (ORPHAN,),
+    (FREE, HOLD): (HELD,),
+    **{(s, PARK): (BLOCKED if s == BOUND else s,) for s in _LIVE},
+    (BLOCKED, STICK): (STUCK,),
+    (STUCK, STICK): (STUCK,),
+    (BOUND, DRAIN): (BOUND,),
+    (BLOCKED, DRAIN): (BOUND,),
+    (STUCK, DRAIN): (STUCK,),
+    (HELD, DRAIN): (HELD,),
+    **{(s, HOLD): (HELD,) for s in _LIVE},
+    (HELD, UNHOLD): (HELD, *_OWNED, FREE),
+    **{(s, RESUME): (s,) for s in _OWNED},
+    (HELD, RESUME): (HELD,),
+    (ORPHAN, RESUME): (FREE,),
+    **{(s, UNSTICK): (*_OWNED, HELD, FREE) for s in _LIVE},
+    **{(s, UNBIND): (FREE,) for s in _OWNED},
+    (HELD, UNBIND): (HELD,),
+}
+
+
+class IllegalGroupTransition(RuntimeError):
+    def __init__(self, state: str, event: str, key: Any) -> None:
+        super().__init__(f"group {key_name(key)!r}: event {event!r} in state {state!r}")
+        self.state = state
+        self.event = event
+
+
+def state_of(g: Group | None) -> str:
+    if g is None:
+        return FREE
+    if g.held:
+        return HELD
+    if g.owner is None:
+        return ORPHAN
+    if g.stuck:
+        return STUCK
+    if g.parked:
+        return BLOCKED
+    return BOUND
 
 
 class Group:

@@ -33,7 +33,7 @@ def test_arrival_times_are_within_the_resolution_and_marks_stay_bounded() -> Non
     for e, t in sent[-20:]:  # recent ones: within the resolution
         arrived = q.arrival_time(e.seq)
         assert arrived is not None and t - 1.0 <= arrived <= t
-    assert len(q._arrivals) <= 8
+    assert len(q.ages.marks) <= 8
     # thinned old marks only get coarser: still never later than the real arrival
     for e, t in sent:
         arrived = q.arrival_time(e.seq)
@@ -49,7 +49,7 @@ def test_marks_below_the_oldest_message_are_dropped() -> None:
         h.ack(c)
         h.advance(2000)
     e = h.send(None)
-    assert len(h.queue._arrivals) <= 4
+    assert len(h.queue.ages.marks) <= 4
     assert h.queue.arrival_time(e.seq) == h.clock.t
 
 

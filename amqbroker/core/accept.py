@@ -2,7 +2,8 @@
 
 The protocol layer translates: it reads a transfer, scans the routing fields, finds the
 destination address (the link's, or each message's `to` on an anonymous relay) and
-builds the `Entry` with `arriving_entry`. The core decides, here, in one synchronous
+builds the `Entry` (times from `message_expiry` and `delivery_time`, called only when
+the message carries them). The core decides, here, in one synchronous
 call per message (`accept`), what becomes of it:
 
 1. duplicate detection (address setting duplicate_detection_window): a duplicate is
@@ -15,20 +16,22 @@ call per message (`accept`), what becomes of it:
 4. the broker's router hook (clustered routing), unless the producer's messages were
    routed already (cluster bridges: no `done` given): it routes, or decides later
    (PENDING: it calls `done` once with the result or a BrokerError);
-5. otherwise `Broker.route` (its single-queue fast path first; the FAIL policy raises
-   ResourceLimitExceeded; an anycast address without its queue gets it back or raises
-   NotFound).
+5. otherwise `Broker.route`: one plain queue takes it at once (Broker.route's fast
+   path, taken inline); the FAIL policy raises ResourceLimitExceeded; an anycast
+   address without its queue gets it back or raises NotFound.
 
 Outcomes are `Broker.route`'s results (ROUTED, ROUTED_SYNC: settle once the store has
 synced, NO_ROUTE: accepted and dropped), PENDING, DUPLICATE and ENLIST. A refusal is a
 BrokerError carrying its AMQP condition; the caller rejects the transfer with it.
 
-Expiry: `message_expiry` is the one place the arithmetic lives (header ttl relative to
-arrival, properties.absolute-expiry-time; the earlier wins). Time is the broker's
-injected clock, in epoch milliseconds.
+Times: `message_expiry` is the one place the expiry arithmetic lives (header ttl
+relative to arrival, properties.absolute-expiry-time; the earlier wins), and
+`delivery_time` the JMS delivery delay's. Time is the broker's injected clock, in epoch
+milliseconds.
 
 Invariant: no task switch and no copy of the message bytes on this path; the common
-case (no dedup, no log, no router, one plain queue) costs two calls and a few tests.
+case (no dedup, no log, no router, one plain queue) costs the link one call and a few
+attribute tests.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ __all__ = [
     "ROUTED",
     "ROUTED_SYNC",
     "accept",
-    "arriving_entry",
+    "delivery_time",
     "message_expiry",
 ]
 
@@ -76,29 +79,10 @@ def message_expiry(clock: Callable[[], float], ttl: int, absolute: int) -> int:
     return expiry
 
 
-def arriving_entry(
-    clock: Callable[[], float],
-    data: bytes,
-    durable: bool,
-    priority: int,
-    ttl: int,
-    absolute_expiry: int,
-    delivery_count: int,
-    group_id: str | None,
-    group_seq: int,
-    delivery_time: int = 0,
-    delivery_delay: int = 0,
-) -> Entry:
-    """The `Entry` of a message arriving now, from its scanned fields: priority clamped
-    to 9, expiry from `message_expiry`, and the JMS delivery delay (relative
-    x-opt-delivery-delay wins over absolute x-opt-delivery-time)."""
-    expiry = message_expiry(clock, ttl, absolute_expiry) if ttl or absolute_expiry else 0
-    e = Entry(
-        data, durable, priority if priority < 10 else 9, expiry, delivery_count, group_id, group_seq
-    )
-    if delivery_time or delivery_delay:
-        e.deliver_at = int(clock() * 1000) + delivery_delay if delivery_delay > 0 else delivery_time
-    return e
+def delivery_time(clock: Callable[[], float], at: int, delay: int) -> int:
+    """When a message arriving now may be delivered (epoch ms) under JMS delivery delay:
+    the relative x-opt-delivery-delay (ms) wins over the absolute x-opt-delivery-time."""
+    return int(clock() * 1000) + delay if delay > 0 else at
 
 
 def accept(
@@ -128,4 +112,18 @@ def accept(
             res = router.route(a, e, done)
             if res is not None:
                 return res
+    qs = a.queues
+    if (
+        len(qs) == 1
+        and qs[0].filter is None
+        and qs[0].no_local_origin is None
+        and not (a.full_policy == "FAIL" and a.full)
+    ):
+        # Broker.route's single-queue case, taken here so that the common message
+        # costs one call from the link, not two (measured: about 2 % of the broker's
+        # CPU per message); everything else is Broker.route's
+        q = qs[0]
+        q.enqueue(e)
+        broker.routed += 1
+        return ROUTED_SYNC if q.durable and e.durable else ROUTED
     return broker.route(a, e)

@@ -44,7 +44,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from amqbroker.core.accept import DUPLICATE, PENDING, ROUTED_SYNC, accept, arriving_entry
+from amqbroker.core.accept import (
+    DUPLICATE,
+    PENDING,
+    ROUTED_SYNC,
+    accept,
+    delivery_time,
+    message_expiry,
+)
 from amqbroker.core.address import Address
 from amqbroker.core.authz import CACHED_ADDRESS_MAX
 from amqbroker.core.broker import Broker
@@ -446,9 +453,17 @@ class ProducerLink:
                     # this destination takes the group from properties.group-id only:
                     # scan again without the application-property fallback
                     gid, gseq = scan(data, False)[5:7]
-            e = arriving_entry(
-                broker.clock, data, durable, prio, ttl, abs_exp, dc, gid, gseq, dtime, ddelay
+            e = Entry(
+                data,
+                durable,
+                prio if prio < 10 else 9,  # AMQP 0..255 -> JMS 0..9
+                message_expiry(broker.clock, ttl, abs_exp) if ttl or abs_exp else 0,
+                dc,
+                gid,
+                gseq,
             )
+            if dtime or ddelay:
+                e.deliver_at = delivery_time(broker.clock, dtime, ddelay)
             e.origin = self.origin
             if self.tracer is not None:
                 self.tracer(self, e, a)

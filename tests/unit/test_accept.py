@@ -12,7 +12,7 @@ from amqbroker.core.accept import (
     ROUTED,
     ROUTED_SYNC,
     accept,
-    arriving_entry,
+    delivery_time,
     message_expiry,
 )
 from amqbroker.core.address import ANYCAST, MULTICAST, Address
@@ -72,15 +72,9 @@ def test_expiry_from_ttl_or_absolute_time_whichever_is_earlier() -> None:
     assert message_expiry(clock, 5, NOW_MS + 900) == NOW_MS + 5
 
 
-def test_arriving_entry_clamps_priority_and_sets_delivery_delay() -> None:
-    e = arriving_entry(clock, b"m", True, 200, 100, 0, 2, "g", 7)
-    assert (e.durable, e.priority, e.expiry, e.delivery_count) == (True, 9, NOW_MS + 100, 2)
-    assert (e.group_id, e.group_seq, e.deliver_at) == ("g", 7, 0)
-    # the relative delay wins over the absolute time
-    assert arriving_entry(clock, b"m", False, 4, 0, 0, 0, None, 0, 123, 50).deliver_at == (
-        NOW_MS + 50
-    )
-    assert arriving_entry(clock, b"m", False, 4, 0, 0, 0, None, 0, 123, 0).deliver_at == 123
+def test_delivery_delay_relative_wins_over_absolute_time() -> None:
+    assert delivery_time(clock, 123, 50) == NOW_MS + 50
+    assert delivery_time(clock, 123, 0) == 123
 
 
 def test_routed_to_the_one_queue_sync_only_when_durable() -> None:

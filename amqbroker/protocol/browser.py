@@ -23,7 +23,7 @@ from amqbroker.protocol.scanner import set_delivery_count
 
 if TYPE_CHECKING:
     from amqbroker.core.broker import Broker
-    from amqbroker.protocol.connection import AmqpConnection
+    from amqbroker.protocol.host import LinkHost
 
 
 class BrowserLink:
@@ -31,7 +31,7 @@ class BrowserLink:
 
     def __init__(
         self,
-        conn: AmqpConnection,
+        conn: LinkHost,
         link: Any,
         queue: Queue,
         match: Callable[[Entry], bool] | None,

@@ -6,9 +6,9 @@ attaches a sender to `$cluster.inbound` on this node. Each transfer is an envelo
 bridge duplicate id. This link unwraps it, drops a duplicate (a resend after a lost
 acknowledgement: the id is in the peer's window of recently seen ids) with `accepted`,
 and otherwise routes the original bytes to the target queue's address exactly like an
-ordinary producer link would, but without asking the cluster router again (the entry
-node already decided: max-hops 1). Durable messages are accepted only once synced, so
-the entry node keeps its copy until then.
+ordinary producer link would (the same core `accept`), but without asking the cluster
+router again (the entry node already decided: max-hops 1). Durable messages are
+accepted only once synced, so the entry node keeps its copy until then.
 
 Invariants: an id is remembered before the message is routed, in a bounded window per
 peer (oldest forgotten first, `window` ids); ids carry the sender's boot id, so a
@@ -31,6 +31,7 @@ from amqbroker.protocol.peer import unwrap_forward
 
 if TYPE_CHECKING:
     from amqbroker.protocol.connection import AmqpConnection
+    from amqbroker.protocol.host import LinkHost
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class DuplicateWindow:
 class BridgeInboundLink(ProducerLink):
     __slots__ = ("dups",)
 
-    def __init__(self, conn: AmqpConnection, link: Any, window: DuplicateWindow) -> None:
+    def __init__(self, conn: LinkHost, link: Any, window: DuplicateWindow) -> None:
         super().__init__(
             conn,
             link,

@@ -15,7 +15,7 @@ attaches a sender whose target is a Coordinator with capability
 Anything else is rejected with `amqp:decode-error`. Control messages are rare, so they
 are decoded with proton's Message (never on the data hot path).
 
-Transactions belong to the connection (`AmqpConnection.txns`): transfers and
+Transactions belong to the connection (`LinkHost.txns`): transfers and
 dispositions on any of its links name them by txn-id (see links.py). A commit that
 wrote durable records is answered only once the store has synced them (the same
 `SyncTracker` the producers use). Detaching the coordinator rolls back the
@@ -36,7 +36,7 @@ from amqbroker.protocol import fastpath as fp
 
 if TYPE_CHECKING:
     from amqbroker.core.broker import Broker
-    from amqbroker.protocol.connection import AmqpConnection
+    from amqbroker.protocol.host import LinkHost
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class CoordinatorLink:
 
     __slots__ = ("broker", "closed", "conn", "credit", "link", "ptr", "sync", "waiting", "window")
 
-    def __init__(self, conn: AmqpConnection, link: Any, *, window: int = 100) -> None:
+    def __init__(self, conn: LinkHost, link: Any, *, window: int = 100) -> None:
         self.conn = conn
         self.broker = conn.broker
         self.link = link

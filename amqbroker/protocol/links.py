@@ -8,17 +8,20 @@ the only per-delivery state; a disposition pops it and calls the queue's settlem
 (ack / release / modified / reject). On detach every unsettled entry goes back to the
 queue (`Queue.remove_consumer`).
 
-ProducerLink (client -> broker): each complete transfer is scanned (routing fields
-only), wrapped in an `Entry` and routed in the same call. A transfer routed to a
-durable queue is settled only after the store has synced the batch holding it
-(`SyncTracker`); every other one is accepted at once. Credit is the backpressure: a
-window is granted and topped up at half, except while the target address is full
-under the BLOCK policy, when the link waits on the address until space returns. An
-anycast address left without its queue (an operator deleted it while the link held the
-address) misses the single-queue test and goes to `Broker.route`, which gives it its
-queue back or raises NotFound (the transfer is rejected): the common case pays nothing.
+ProducerLink (client -> broker) translates: each complete transfer is scanned (routing
+fields only), its destination found (the link's address, or each message's `to` on an
+anonymous relay) and wrapped in an `Entry`; the core's `accept`
+(`amqbroker.core.accept`: duplicate detection, the delivery log, transactions, the
+cluster router hook, `Broker.route`) decides in the same call, and the link settles
+the transfer as the outcome says. A transfer routed to a durable queue is settled only
+after the store has synced the batch holding it (`SyncTracker`); every other one is
+accepted at once. Credit is the backpressure: a window is granted and topped up at
+half, except while the target address is full under the BLOCK policy, when the link
+waits on the address until space returns.
 
-Authorisation: a named producer was checked once at attach (connection.py), so its
+Links see their connection through `host.LinkHost`, never `AmqpConnection` itself.
+
+Authorisation: a named producer was checked once at attach (attach.py), so its
 transfers are never checked. An anonymous-relay link under security checks 'send' on
 each message's `to` (and 'create_address' when that address would be auto-created);
 the destinations it was allowed are remembered in a per-link set bounded by
@@ -39,13 +42,20 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from amqbroker.core.address import ANYCAST, Address
+from amqbroker.core.accept import (
+    DUPLICATE,
+    PENDING,
+    ROUTED_SYNC,
+    accept,
+    delivery_time,
+    message_expiry,
+)
+from amqbroker.core.address import Address
 from amqbroker.core.authz import CACHED_ADDRESS_MAX
-from amqbroker.core.broker import PENDING, ROUTED_SYNC, Broker
+from amqbroker.core.broker import Broker
 from amqbroker.core.consumer import Consumer
-from amqbroker.core.delivery_log import RECEIVED
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError, Unauthorized
 from amqbroker.core.queue import Queue
@@ -74,6 +84,7 @@ from amqbroker.protocol.fastpath import (
     new_delivery,
     unpack,
 )
+from amqbroker.protocol.host import LinkHost, SyncTracker, authorize
 from amqbroker.protocol.scanner import (
     ScanError,
     add_application_property,
@@ -82,45 +93,10 @@ from amqbroker.protocol.scanner import (
     set_delivery_count,
 )
 
-if TYPE_CHECKING:
-    from amqbroker.protocol.connection import AmqpConnection
+#: SyncTracker is defined in host.py and imported from here too
+__all__ = ["ConsumerLink", "ProducerLink", "SyncTracker"]
 
 log = logging.getLogger(__name__)
-
-
-class SyncWaiter(Protocol):
-    """A link waiting for store batches (producers; the coordinator's commits)."""
-
-    #: (delivery, number of the store batch that must sync before it is accepted)
-    waiting: deque[tuple[Any, int]]
-    #: detached: deliveries whose batch synced are dropped, not accepted
-    closed: bool
-    conn: AmqpConnection
-
-
-class SyncTracker:
-    """Producers waiting for the store to sync the batch holding their messages."""
-
-    def __init__(self, ticket: Callable[[], int]) -> None:
-        #: number of the store batch that will hold records appended now
-        self.ticket = ticket
-        self.waiters: set[SyncWaiter] = set()
-
-    def synced(self, batch_no: int) -> None:
-        """Store batch `batch_no` is on disk: accept every waiter's deliveries up to it
-        (a closed link's are only dropped); a waiter with none left stops waiting."""
-        for w in list(self.waiters):
-            waiting = w.waiting
-            n = 0
-            while waiting and waiting[0][1] <= batch_no:
-                d, _ = waiting.popleft()
-                if not w.closed:
-                    fp.accept(d)
-                n += 1
-            if not waiting:
-                self.waiters.discard(w)
-            if n and not w.conn.dirty:
-                w.conn.mark_dirty()
 
 
 class ConsumerLink(Consumer):
@@ -128,7 +104,7 @@ class ConsumerLink(Consumer):
 
     def __init__(
         self,
-        conn: AmqpConnection,
+        conn: LinkHost,
         link: Any,
         *,
         priority: int,
@@ -320,7 +296,7 @@ class ProducerLink:
 
     def __init__(
         self,
-        conn: AmqpConnection,
+        conn: LinkHost,
         link: Any,
         address: Address | None,
         *,
@@ -430,6 +406,10 @@ class ProducerLink:
             self._top_up()
 
     def _route(self, d: Any, data: bytes, presettled: bool) -> None:
+        """Translate one complete transfer and hand it to the core (`accept`): the
+        size bound, the scan, the destination (the link's address, or the message's
+        `to` on an anonymous relay), the `Entry`; then settle the transfer as the
+        outcome says."""
         if len(data) > self.max_size:
             self._refuse(
                 d,
@@ -473,63 +453,46 @@ class ProducerLink:
                     # this destination takes the group from properties.group-id only:
                     # scan again without the application-property fallback
                     gid, gseq = scan(data, False)[5:7]
-            expiry = 0
-            if ttl:
-                expiry = int(broker.clock() * 1000) + ttl
-            if abs_exp and (not expiry or abs_exp < expiry):
-                expiry = abs_exp
-            e = Entry(data, durable, prio if prio < 10 else 9, expiry, dc, gid, gseq)
+            e = Entry(
+                data,
+                durable,
+                prio if prio < 10 else 9,  # AMQP 0..255 -> JMS 0..9
+                message_expiry(broker.clock, ttl, abs_exp) if ttl or abs_exp else 0,
+                dc,
+                gid,
+                gseq,
+            )
+            if dtime or ddelay:
+                e.deliver_at = delivery_time(broker.clock, dtime, ddelay)
             e.origin = self.origin
             if self.tracer is not None:
                 self.tracer(self, e, a)
-            if dtime or ddelay:
-                # JMS delivery delay: x-opt-delivery-delay (relative) wins over time
-                e.deliver_at = int(broker.clock() * 1000) + ddelay if ddelay > 0 else dtime
+            if self.dlog is not None:
+                e.trace = (log_message_id(data), self.producer_id)
             transactional = delivery_remote_state(d) == PN_TRANSACTIONAL
-            if a.dedup is not None and not transactional and broker.is_duplicate(a, data):
-                # duplicate detection: accepted and dropped (a transaction's sends are
-                # checked when it commits)
+            res = accept(
+                broker,
+                a,
+                e,
+                data,
+                transactional,
+                None
+                if broker.router is None or self.bypass_router
+                else self._routed_later(d, presettled),
+            )
+            if res < PENDING:
+                self._settle_routed(d, presettled, res == ROUTED_SYNC, a)
+            elif res == PENDING:
+                if presettled:
+                    delivery_settle(d)
+            elif res == DUPLICATE:
                 if not presettled:
                     delivery_update(d, PN_ACCEPTED)
                 delivery_settle(d)
-                return
-            dlog = self.dlog
-            if dlog is not None:
-                e.trace = (log_message_id(data), self.producer_id)
-                dlog.event(RECEIVED, a.name, e)
-            if transactional:
-                if not a.queues and a.routing == ANYCAST:
-                    broker.anycast_queue(a)  # its queue was deleted: back, or NotFound
+            else:  # ENLIST
                 self._enlist(d, a, e, presettled)
-                return
-            router = broker.router
-            if router is not None and not self.bypass_router:
-                res = router.route(a, e, self._routed_later(d, presettled))
-                if res is not None:
-                    if res == PENDING:
-                        if presettled:
-                            delivery_settle(d)
-                        return
-                    self._settle_routed(d, presettled, res == ROUTED_SYNC, a)
-                    return
-            qs = a.queues
-            if (
-                len(qs) == 1
-                and qs[0].filter is None
-                and qs[0].no_local_origin is None
-                and not (a.full_policy == "FAIL" and a.full)
-            ):
-                # the common case, without the generic router
-                q = qs[0]
-                q.enqueue(e)
-                broker.routed += 1
-                sync = q.durable and durable
-            else:
-                sync = broker.route(a, e) == ROUTED_SYNC
         except BrokerError as exc:
             self._refuse(d, presettled, exc.condition, exc.description)
-            return
-        self._settle_routed(d, presettled, sync, a)
 
     def _routed_later(self, d: Any, presettled: bool) -> Callable[[int | BrokerError], None]:
         """The completion the cluster router calls once a PENDING message is routed
@@ -577,7 +540,7 @@ class ProducerLink:
         transfer only, with amqp:unauthorized-access; the first one is logged."""
         conn = self.conn
         try:
-            conn.authorize("send", to)
+            authorize(conn, "send", to)
         except Unauthorized as err:
             if presettled:
                 fp.settle(d)

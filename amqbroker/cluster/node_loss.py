@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from amqbroker.core import delivery_log as dl
+from amqbroker.core.accept import delivery_time, message_expiry
 from amqbroker.core.address import ANYCAST, Address
 from amqbroker.core.entry import Entry
 from amqbroker.protocol.peer import unwrap_forward
@@ -247,15 +248,17 @@ class NodeLoss:
         def inner(e: Entry) -> Entry | None:
             try:
                 _bid, target, data = unwrap_forward(e.data)
-                durable, prio, ttl, abs_exp, dc, g, gseq, _to, _dt, _dd = scan(data)
+                durable, prio, ttl, abs_exp, dc, g, gseq, _to, dtime, ddelay = scan(data)
             except (ValueError, ScanError):
                 return None
             if target != qname or g != gid:
                 return None
-            expiry = int(self.broker.clock() * 1000) + ttl if ttl else 0
-            if abs_exp and (not expiry or abs_exp < expiry):
-                expiry = abs_exp
-            return Entry(data, durable, prio if prio < 10 else 9, expiry, dc, g, gseq)
+            clock = self.broker.clock
+            expiry = message_expiry(clock, ttl, abs_exp)
+            ie = Entry(data, durable, prio if prio < 10 else 9, expiry, dc, g, gseq)
+            if dtime or ddelay:  # as the peer's inbound link would have read it
+                ie.deliver_at = delivery_time(clock, dtime, ddelay)
+            return ie
 
         # each envelope is unwrapped and scanned once: `take_waiting` asks `match` for
         # every waiting entry, then hands the taken ones to `sink`

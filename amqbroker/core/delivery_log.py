@@ -7,11 +7,11 @@ events and where the core emits them (the one place each passes):
 =============  ==========================================================  =========
 event          emitted by                                                  fields
 =============  ==========================================================  =========
-received       protocol `ProducerLink._route` (the target address in       producer
+received       `core.accept.accept` (the target address in                 producer
                ``queue``), before routing; transactional sends too
 routed         `Queue.enqueue` (every way in: producers, transaction       queue
                commits, dead-letter and expiry copies)
-forwarded      the cluster (`ClusterNode._deliver_to`): the message leaves     queue
+forwarded      the cluster (`Routing.deliver_to`): the message leaves      queue
                for another node's queue instance (``queue`` = "<node>/<queue>");
                the wrapped copy's bridge-queue records follow
 dispatched     `Queue._deliver`                                            consumer
@@ -23,9 +23,9 @@ released       `Queue.remove_consumer`: an unsettled message went back to
 expired        `Broker.expired` (called by `Queue._expire`)
 dead_lettered  `Broker.dead_letter` (rejected, or out of delivery attempts)
 started        the writer itself, first record of each boot (no message)
-unbound        the cluster arbiter (`ClusterNode._unbind`, via `marker`):   queue,
+unbound        the cluster arbiter (`Routing.unbind`, via `marker`):       queue,
                a group's binding to "<node>/<queue>" was released          group
-late           the cluster (`ClusterNode._deliver_to`, late): a stranded   queue
+late           the cluster (`Routing.deliver_to`, late): a stranded        queue
                message of a moved group leaves this node after a node
                loss (policy move), before its ``forwarded`` record
 =============  ==========================================================  =========

@@ -50,7 +50,7 @@ Markers (``started``, ``unbound``: no message-id, about a node or a group) and `
   a producer is identified by (node, boot, ``producer``), the boot being the number of
   ``started`` records at or before the record's ``seq``. Logs written before this
   marker existed have none: everything is boot 0.
-* ``unbound``: the grouping arbiter released a group's binding (`ClusterNode._unbind`:
+* ``unbound``: the grouping arbiter released a group's binding (`Routing.unbind`:
   its node was lost under ``cluster_node_loss_policy = "move"``, the group expired,
   its queue instance was deleted or had no consumer for
   ``grouping_consumerless_timeout``, or the binding was force-removed): ``queue`` =
@@ -63,7 +63,7 @@ Markers (``started``, ``unbound``: no message-id, about a node or a group) and `
   stranded messages of groups that moved while it was lost to the group's current
   owner; each such message gets ``late`` in the queue it leaves (``queue`` = that
   queue, with its message-id and group: terminal for that copy), followed by its
-  ``forwarded`` record (`ClusterNode._deliver_to`). The audit reports those messages
+  ``forwarded`` record (`Routing.deliver_to`). The audit reports those messages
   as delivered late after a node loss, not as order violations.
 
 Per message and queue: ``routed``, then any number of (``dispatched`` then

@@ -220,7 +220,7 @@ async def test_off_by_default_creates_nothing(make_broker: Any, tmp_path: Path) 
         await s.send(msg("x"))
         r = await c.receiver("q", credit=1)
         r.accept(await r.receive())
-        assert app.broker.queues["q"]._dlog is None
+        assert app.broker.queues["q"].dlog is None
         c.abort()
         n.cancel_scope.cancel()
     assert log_dirs(tmp_path) == []

@@ -591,7 +591,7 @@ class BrokerApp:
         assert broker is not None
         while True:
             await trio.sleep(self.settings.expiry_scan_period)
-            n = broker.expire_scan()
+            n = broker.dead_letters.expire_scan()
             if n:
                 log.debug("expiry reaper removed %d message(s)", n)
             self.hub.flush()

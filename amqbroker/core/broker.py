@@ -2,9 +2,10 @@
 
 Everything the protocol layer does with messages goes through here: finding or
 auto-creating the queue a consumer attaches to or the address a producer sends to,
-routing an arriving message, temporary queues, dead-lettering and expiry routing, and
-deferred dispatch (a queue that used up its dispatch batch asks to be continued after
-other work has run: `run_deferred`).
+routing an arriving message, temporary queues, and deferred dispatch (a queue that
+used up its dispatch batch asks to be continued after other work has run:
+`run_deferred`). Dead-lettering, expiry routing and the operator's message moves are
+the `dead_letters` it owns (`amqbroker.core.dead_letters`).
 
 Paging (address_full_policy PAGE): with a page store (`pager`), the queues of a PAGE
 address page messages while it is full; `depage_candidates` / `depage` are how the
@@ -24,7 +25,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from amqbroker.core import delivery_log as dl
 from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
 from amqbroker.core.address_settings import (
     AddressSettingsRepository,
@@ -34,6 +34,7 @@ from amqbroker.core.address_settings import (
     queue_config,
 )
 from amqbroker.core.codec import MessageCodec, PlainCodec
+from amqbroker.core.dead_letters import DeadLetters
 from amqbroker.core.delivery_log import DeliveryLog
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import (
@@ -154,6 +155,8 @@ class Broker:
         #: clustered routing hook (None: single node)
         self.router: Router | None = None
         self.duplicates_dropped = 0
+        #: dead-lettering, expiry routing, moveMessages/retryMessages, the expiry scan
+        self.dead_letters = DeadLetters(self)
 
     # ------------------------------------------------------------- settings
     def resolve(self, address: str) -> ResolvedAddressSettings:
@@ -664,77 +667,12 @@ class Broker:
         return bool(self._pending)
 
     def dead_letter(self, queue: Queue, entry: Entry, reason: str) -> None:
-        if self.dlog is not None:
-            self.dlog.event(dl.DEAD_LETTERED, queue.name, entry)
-        a = queue.address
-        r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
-        dla = r.dead_letter_address
-        if not dla or (a is not None and dla == a.name):
-            self.dropped_dead_letters += 1
-            log.warning(
-                "queue %r: message seq %d dropped (%s) - no dead_letter_address is set "
-                "for this address; set one in its address settings to keep such messages",
-                queue.name,
-                entry.seq,
-                reason,
-            )
-            return
-        mid = self.codec.message_id(entry.data)
-        annotations: dict[str, str | int | bool | None] = {
-            "x-opt-ORIG-ADDRESS": a.name if a else queue.name,
-            "x-opt-ORIG-QUEUE": queue.name,
-            "x-opt-DLQ-REASON": reason,
-        }
-        if mid is not None:
-            annotations["x-opt-ORIG-MESSAGE-ID"] = str(mid)
-        self._reroute(dla, entry, annotations, keep_expiry=True)
+        """QueueHost: `queue` gives `entry` up (see `amqbroker.core.dead_letters`)."""
+        self.dead_letters.dead_letter(queue, entry, reason)
 
     def expired(self, queue: Queue, entry: Entry) -> None:
-        if self.dlog is not None:
-            self.dlog.event(dl.EXPIRED, queue.name, entry)
-        a = queue.address
-        r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
-        ea = r.expiry_address
-        if not ea or (a is not None and ea == a.name):
-            return
-        annotations: dict[str, str | int | bool | None] = {
-            "x-opt-ORIG-ADDRESS": a.name if a else queue.name,
-            "x-opt-ORIG-QUEUE": queue.name,
-            "x-opt-ACTUAL-EXPIRY": int(self.clock() * 1000),
-        }
-        self._reroute(ea, entry, annotations, keep_expiry=False)
-
-    def _reroute(
-        self,
-        target: str,
-        entry: Entry,
-        annotations: dict[str, str | int | bool | None],
-        *,
-        keep_expiry: bool,
-    ) -> None:
-        try:
-            a = self.address_for_producer(target)
-        except NotFound as exc:
-            self.dropped_dead_letters += 1
-            log.warning("cannot move message to %r: %s", target, exc.description)
-            return
-        data = self.codec.annotate(entry.data, annotations)
-        copy = Entry(
-            data,
-            entry.durable,
-            entry.priority,
-            entry.expiry if keep_expiry else 0,
-            0,
-            entry.group_id,
-            entry.group_seq,
-        )
-        copy.trace = entry.trace
-        if a.queues or a.routing == ANYCAST:
-            try:
-                self.route(a, copy)
-            except NotFound as exc:  # an anycast address whose queue is gone for good
-                self.dropped_dead_letters += 1
-                log.warning("cannot move message to %r: %s", target, exc.description)
+        """QueueHost: `entry` of `queue` expired (see `amqbroker.core.dead_letters`)."""
+        self.dead_letters.expired(queue, entry)
 
     def queue_idle(self, queue: Queue) -> None:
         """A queue lost its last consumer: delete it if it is a subscription queue, or
@@ -799,62 +737,6 @@ class Broker:
         queue. A change of grouping mode clears its group bindings."""
         self._apply_options(q, options)
 
-    def move_messages(
-        self, src: Queue, dst: Queue, match: Callable[[Entry], bool] | None = None
-    ) -> int:
-        """Move the waiting messages of `src` that `match` accepts (all by default) to
-        the tail of `dst`, in queue order (management `moveMessages`, e.g. out of a
-        dead-letter queue). In-flight, delayed and paged messages stay. The copy in
-        `dst` is recorded before the removal from `src`: a crash in between
-        duplicates, never loses. Address limits are not applied (an operator's act)."""
-        if dst is src:
-            raise InvalidField(f"cannot move messages of queue '{src.name}' to itself")
-
-        def sink(e: Entry) -> None:
-            dst.enqueue(e.copy())
-
-        return src.take_waiting(match or _everything, sink)
-
-    def retry_messages(self, dlq: Queue, original_address: Callable[[bytes], str | None]) -> int:
-        """Send dead letters back where they came from (management `retryMessages`):
-        each waiting message of `dlq` whose `original_address` (the protocol layer
-        reads the x-opt-ORIG-ADDRESS annotation) names an address other than the
-        dead-letter queue's own is routed there again with delivery-count 0 and
-        removed from `dlq`. Messages without it, whose address is gone and cannot be
-        auto-created, or whose topic has no subscriber, stay. Returns how many were sent back."""
-        own = dlq.address.name if dlq.address is not None else dlq.name
-        targets: dict[Entry, Address] = {}
-
-        def match(e: Entry) -> bool:
-            name = original_address(e.data)
-            if not name or name == own:
-                return False
-            a = self.addresses.get(name)
-            if a is None:
-                try:
-                    a = self.address_for_producer(name)
-                except (NotFound, InvalidField):
-                    return False
-            if not a.queues:
-                return False  # a topic without subscribers would drop it: it stays
-            targets[e] = a
-            return True
-
-        def sink(e: Entry) -> None:
-            copy = Entry(e.data, e.durable, e.priority, e.expiry, 0, e.group_id, e.group_seq)
-            self.route(targets.pop(e), copy, check_full=False)
-
-        return dlq.take_waiting(match, sink)
-
-    # ------------------------------------------------------------- periodic
-    def expire_scan(self) -> int:
-        n = 0
-        for q in list(self.queues.values()):
-            n += q.expire_scan()
-            if not q.count:
-                self.queue_idle(q)
-        return n
-
     def statistics(self) -> dict[str, Any]:
         return {
             "addresses": len(self.addresses),
@@ -866,7 +748,3 @@ class Broker:
             "duplicates_dropped": self.duplicates_dropped,
             "pending_dispatch": len(self._pending),
         }
-
-
-def _everything(e: Entry) -> bool:
-    return True

@@ -20,9 +20,7 @@ buckets=1024`) apply when the queue is created and are persisted with it.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
@@ -30,7 +28,7 @@ from amqbroker.core.address_settings import (
     AddressSettingsRepository,
     QueueOptions,
     ResolvedAddressSettings,
-    parse_address_options,
+    parse_client_address,
     queue_config,
 )
 from amqbroker.core.codec import MessageCodec, PlainCodec
@@ -39,16 +37,24 @@ from amqbroker.core.delivery_log import DeliveryLog
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import (
     BrokerError,
-    InvalidField,
     NotFound,
     PreconditionFailed,
     ResourceLimitExceeded,
 )
 from amqbroker.core.persistence import NoPersistence, Persistence
 from amqbroker.core.queue import Pager, Queue, QueuePolicy
+from amqbroker.core.subscriptions import Subscription, Subscriptions
 from amqbroker.core.timers import Timers
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "NO_ROUTE",
+    "PENDING",
+    "ROUTED",
+    "ROUTED_SYNC",
+    "Broker",
+    "Router",
+    "Subscription",  # re-exported from amqbroker.core.subscriptions
+]
 
 #: route() results
 ROUTED = 0
@@ -67,35 +73,6 @@ class Router(Protocol):
     def route(
         self, a: Address, e: Entry, done: Callable[[int | BrokerError], None]
     ) -> int | None: ...
-
-
-@dataclass(frozen=True)
-class Subscription:
-    """A topic subscription a consumer link asks for (JMS durable / shared
-    subscriptions). `container` is the client's container id (JMS clientID), empty for
-    a global subscription; the queue is named from both."""
-
-    name: str
-    container: str = ""
-    durable: bool = False
-    shared: bool = False
-    selector: str | None = None
-    no_local: bool = False
-
-    @property
-    def queue_name(self) -> str:
-        base = f"{self.container}.{self.name}" if self.container else self.name
-        if self.durable:
-            return base
-        return f"{base}:shared-volatile" if self.container else f"{base}:global-volatile"
-
-
-def _parse(address: str) -> tuple[str, QueueOptions]:
-    """Address name and queue options; a bad option is the client's error."""
-    try:
-        return parse_address_options(address)
-    except ValueError as exc:
-        raise InvalidField(f"bad address {address!r}: {exc}") from exc
 
 
 class Broker:
@@ -157,6 +134,8 @@ class Broker:
         self.duplicates_dropped = 0
         #: dead-lettering, expiry routing, moveMessages/retryMessages, the expiry scan
         self.dead_letters = DeadLetters(self)
+        #: named (durable / shared) topic subscriptions
+        self.subscriptions = Subscriptions(self)
 
     # ------------------------------------------------------------- settings
     def resolve(self, address: str) -> ResolvedAddressSettings:
@@ -218,7 +197,7 @@ class Broker:
 
     def address_for_producer(self, address: str, routing_hint: str | None = None) -> Address:
         """The address a producer link targets, auto-created when settings allow."""
-        name, options = _parse(address)
+        name, options = parse_client_address(address)
         a = self.addresses.get(name)
         if a is None:
             if name.startswith(self.temporary_queue_prefix):
@@ -250,7 +229,7 @@ class Broker:
     ) -> Queue:
         """The queue a consumer link reads from. For a multicast address this is a new
         subscription queue, deleted when the consumer goes."""
-        name, options = _parse(address)
+        name, options = parse_client_address(address)
         a = self.addresses.get(name)
         if a is None:
             r = self.resolve(name)
@@ -313,88 +292,19 @@ class Broker:
         )
 
     # -------------------------------------------------------- subscriptions
+    # (the protocol layer's names for `Subscriptions`, amqbroker.core.subscriptions)
     def subscription_queue(
-        self,
-        address: str,
-        sub: Subscription,
-        *,
-        origin: str | None = None,
+        self, address: str, sub: Subscription, *, origin: str | None = None
     ) -> Queue:
-        """The queue of a named (durable or shared) topic subscription, created on
-        first use. An existing subscription whose topic or selector differs is
-        replaced when nobody consumes from it (JMS: changing a durable subscription is
-        an unsubscribe and a new subscribe); with consumers attached that is an error.
-        `origin`: the connection whose own messages a no-local subscription skips."""
-        name, options = _parse(address)
-        if self.addresses.get(name) is None:
-            r = self.resolve(name)
-            if not r.auto_create_addresses:
-                raise NotFound(
-                    f"topic '{name}' does not exist and auto-create is off for it; create "
-                    "it in the broker configuration or enable auto_create_addresses"
-                )
-            self.create_address(name, MULTICAST, auto_created=True)
-        a = self.addresses[name]
-        if a.routing != MULTICAST:
-            raise PreconditionFailed(
-                f"address '{name}' is a queue (anycast); subscriptions (durable or shared) "
-                "need a topic: attach with the 'topic' capability to a multicast address"
-            )
-        qname = sub.queue_name
-        q = self.queues.get(qname)
-        if q is not None:
-            same = q.address is a and q.selector == sub.selector and q.no_local == sub.no_local
-            if not same:
-                if q.consumer_count:
-                    raise PreconditionFailed(
-                        f"subscription '{sub.name}' exists on topic "
-                        f"'{q.address.name if q.address else '?'}' with selector "
-                        f"{q.selector!r} and has active consumers; close them before "
-                        "subscribing with another topic or selector"
-                    )
-                self.delete_queue(q)
-                q = None
-        if q is None:
-            q = self._create_queue(
-                qname,
-                a,
-                durable=sub.durable,
-                options=options,
-                subscription=not sub.durable,
-                subscription_of=sub,
-            )
-        if sub.no_local and origin is not None:
-            q.no_local_origin = origin  # a re-attach: the new connection's own messages
-        return q
+        return self.subscriptions.queue(address, sub, origin=origin)
 
     def filter_subscription(
         self, q: Queue, selector: str | None, no_local: bool, origin: str | None = None
     ) -> None:
-        """Set a subscription queue's routing-time filter: its selector (raises
-        SelectorError when invalid) and no-local (skip messages from `origin`)."""
-        if selector:
-            q.filter = self.codec.selector_filter(selector)
-            q.selector = selector
-        q.no_local = no_local
-        if no_local and origin is not None:
-            q.no_local_origin = origin
+        self.subscriptions.set_filter(q, selector, no_local, origin)
 
     def find_subscription(self, link_name: str, container: str) -> Queue | None:
-        """The queue of an existing subscription named by a link (Qpid JMS
-        unsubscribes by attaching with the subscription's link name and no source)."""
-        base, _, suffix = link_name.partition("|")
-        names = []
-        if suffix.startswith("global"):
-            names.append(base)
-        else:
-            names.append(f"{container}.{base}" if container else base)
-            names.append(base)
-        for n in names:
-            for qn in (n, f"{n}:shared-volatile", f"{n}:global-volatile"):
-                q = self.queues.get(qn)
-                if q is not None and q.subscription_name is not None:
-                    return q
-        return None
+        return self.subscriptions.find(link_name, container)
 
     def _check_routing(self, a: Address, hint: str | None) -> None:
         if hint is not None and hint != a.routing:
@@ -467,7 +377,7 @@ class Broker:
             q.pager = self.pager
         if subscription_of is not None:
             q.subscription_name = subscription_of.name
-            self.filter_subscription(q, subscription_of.selector, subscription_of.no_local)
+            self.subscriptions.set_filter(q, subscription_of.selector, subscription_of.no_local)
         address.queues.append(q)
         self.queues[name] = q
         if durable and declare:

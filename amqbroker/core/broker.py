@@ -8,9 +8,11 @@ used up its dispatch batch asks to be continued after other work has run:
 the `dead_letters` it owns (`amqbroker.core.dead_letters`).
 
 Paging (address_full_policy PAGE): with a page store (`pager`), the queues of a PAGE
-address page messages while it is full; `depage_candidates` / `depage` are how the
-application's depage task reads them back (see `amqbroker.store.paging`). Without a
-page store PAGE acts as BLOCK.
+address page messages while it is full; the `paging` it owns (`Depager`,
+`amqbroker.core.broker_paging`) is how the application's depage task reads them back
+(see `amqbroker.store.paging`). Without a page store PAGE acts as BLOCK. Durable
+queues are declared in the store with `amqbroker.core.queue_records.queue_attributes`
+and recreated from them by its `restore_queue`.
 
 Address settings are resolved by wildcard match when an address or queue is created
 and kept on the object; queue options from the address string (`orders?group-
@@ -20,7 +22,7 @@ buckets=1024`) apply when the queue is created and are persisted with it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
@@ -31,6 +33,7 @@ from amqbroker.core.address_settings import (
     parse_client_address,
     queue_config,
 )
+from amqbroker.core.broker_paging import Depager
 from amqbroker.core.codec import MessageCodec, PlainCodec
 from amqbroker.core.dead_letters import DeadLetters
 from amqbroker.core.delivery_log import DeliveryLog
@@ -43,6 +46,7 @@ from amqbroker.core.errors import (
 )
 from amqbroker.core.persistence import NoPersistence, Persistence
 from amqbroker.core.queue import Pager, Queue, QueuePolicy
+from amqbroker.core.queue_records import queue_attributes
 from amqbroker.core.subscriptions import Subscription, Subscriptions
 from amqbroker.core.timers import Timers
 
@@ -113,10 +117,9 @@ class Broker:
         #: broker-wide bound on queued message bytes (-1 = unlimited)
         self.budget = MemoryBudget(global_max_size)
         #: page store for PAGE addresses; read back below `page_low_water` (a fraction
-        #: of the limit), at most `page_read_ahead` bytes per step
+        #: of the limit), at most `page_read_ahead` bytes per step (`paging`)
         self.pager = pager
-        self.page_low_water = page_low_water
-        self.page_read_ahead = page_read_ahead
+        self.paging = Depager(self.budget, self.store, page_low_water, page_read_ahead)
         self.budget.on_room = depage_wake
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
@@ -381,72 +384,14 @@ class Broker:
         address.queues.append(q)
         self.queues[name] = q
         if durable and declare:
-            self.store.queue_declared(qid, name, self._queue_attributes(q))
+            self.store.queue_declared(qid, name, queue_attributes(q))
         return q
 
     def _apply_options(self, q: Queue, options: QueueOptions) -> None:
         q.options = options.model_dump(exclude_none=True)
         q.policy = self._policy(q.address.name if q.address else q.name, options)
         if q.durable:
-            self.store.queue_declared(q.qid, q.name, self._queue_attributes(q))
-
-    @staticmethod
-    def _queue_attributes(q: Queue) -> dict[str, Any]:
-        a = q.address
-        attrs: dict[str, Any] = {
-            "address": a.name if a else q.name,
-            "routing": a.routing if a else ANYCAST,
-            "auto_created": q.auto_created,
-            "options": q.options,
-        }
-        if q.subscription_name is not None:
-            attrs["subscription"] = q.subscription_name
-            attrs["selector"] = q.selector
-            attrs["no_local"] = q.no_local
-        if q.page_mark:
-            attrs["paged_through"] = q.page_mark
-        return attrs
-
-    def restore_queue(
-        self, qid: int, name: str, attributes: dict[str, Any], entries: Iterable[Entry]
-    ) -> Queue:
-        """Recreate a durable queue from the store, with its messages in order."""
-        aname = attributes.get("address", name)
-        routing = attributes.get("routing", ANYCAST)
-        a = self.addresses.get(aname)
-        if a is None:
-            a = self._new_address(aname, routing, auto_created=bool(attributes.get("auto_created")))
-        opts = QueueOptions(**attributes.get("options", {}))
-        sub = None
-        if attributes.get("subscription") is not None:
-            sub = Subscription(
-                str(attributes["subscription"]),
-                durable=True,
-                selector=attributes.get("selector"),
-                no_local=bool(attributes.get("no_local")),
-            )
-        # already declared in the store: recreate it without a new record
-        q = self._create_queue(
-            name,
-            a,
-            durable=True,
-            auto_created=bool(attributes.get("auto_created")),
-            options=opts,
-            qid=qid,
-            declare=False,
-            subscription_of=sub,
-        )
-        q.restore(entries)
-        q.restore_paged(0, 0, 0, int(attributes.get("paged_through", 0)))
-        w = a.dedup
-        if w is not None:
-            # the window is not journaled: after a restart it holds the ids of the
-            # messages recovered (still queued); ids of consumed messages are forgotten
-            for e in q.browse():
-                key = self.codec.duplicate_id(e.data)
-                if key is not None:
-                    w.seen(key)
-        return q
+            self.store.queue_declared(q.qid, q.name, queue_attributes(q))
 
     def delete_queue(self, q: Queue) -> list[Any]:
         """Remove a queue (its messages are dropped). Returns the consumers that were
@@ -501,42 +446,6 @@ class Broker:
             self.dropped_no_route += 1
             return NO_ROUTE
         return ROUTED_SYNC if sync else ROUTED
-
-    # --------------------------------------------------------------- paging
-    def depage_candidates(self) -> list[Queue]:
-        """Paging queues whose address has room to read messages back now."""
-        lw = self.page_low_water
-        return [
-            q
-            for q in self.budget.paging
-            if not q.deleted and q.address is not None and q.address.page_room(lw)
-        ]
-
-    def depage_room(self, q: Queue) -> int:
-        """Bytes `q` may read back now (0: none; at most `page_read_ahead`)."""
-        if q.deleted or not q.paged_count or q.address is None:
-            return 0
-        room = q.address.page_room(self.page_low_water)
-        if room < 0 or room > self.page_read_ahead:
-            return self.page_read_ahead
-        return room
-
-    def depage(self, q: Queue, entries: list[Entry]) -> None:
-        """Enqueue messages read back from `q`'s page. For a durable queue their ADD
-        records and the new `paged_through` mark are one atomic journal record, so
-        after a crash the messages are in the journal or still in the page, never
-        both or neither (see `amqbroker.store.paging`)."""
-        if q.deleted:
-            return
-        if not q.durable:
-            q.depage(entries)
-            return
-        self.store.begin_atomic()
-        try:
-            q.depage(entries)
-        finally:
-            self.store.queue_declared(q.qid, q.name, self._queue_attributes(q))
-            self.store.end_atomic()
 
     def is_duplicate(self, a: Address, data: bytes) -> bool:
         """Duplicate detection (address setting duplicate_detection_window): True when

@@ -168,20 +168,19 @@ class Broker:
             self._create_queue(name, a, durable=durable, auto_created=auto_created)
         return a
 
-    def _full_policy(self, r: ResolvedAddressSettings) -> str:
-        p = r.address_full_policy
-        return "BLOCK" if p == "PAGE" and self.pager is None else p
-
     def _new_address(self, name: str, routing: str, *, auto_created: bool = False) -> Address:
         """Create and register address `name` with its resolved settings (the caller
         has checked that it does not exist)."""
         r = self.resolve(name)
+        full_policy = r.address_full_policy
+        if full_policy == "PAGE" and self.pager is None:
+            full_policy = "BLOCK"  # PAGE without a page store acts as BLOCK
         a = Address(
             name,
             routing,
             settings=r,
             max_size=r.max_size_bytes,
-            full_policy=self._full_policy(r),
+            full_policy=full_policy,
             budget=self.budget,
             auto_created=auto_created,
         )
@@ -194,9 +193,6 @@ class Broker:
         while name in self.addresses:
             name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
         return name
-
-    def _routing_for(self, name: str, hint: str | None) -> str:
-        return hint or self.resolve(name).default_routing_type
 
     def address_for_producer(self, address: str, routing_hint: str | None = None) -> Address:
         """The address a producer link targets, auto-created when settings allow."""
@@ -216,12 +212,12 @@ class Broker:
                     "create it in the broker configuration ('addresses') or enable "
                     "auto_create_addresses in its address settings"
                 )
-            routing = self._routing_for(name, routing_hint)
+            routing = routing_hint or r.default_routing_type
             a = self.create_address(name, routing, auto_created=True)
             if options != QueueOptions() and a.queues:
-                self._apply_options(a.queues[0], options)
+                self.set_queue_options(a.queues[0], options)
         else:
-            self._check_routing(a, routing_hint)
+            _check_routing(a, routing_hint)
         return a
 
     def queue_for_consumer(
@@ -236,7 +232,7 @@ class Broker:
         a = self.addresses.get(name)
         if a is None:
             r = self.resolve(name)
-            routing = self._routing_for(name, routing_hint)
+            routing = routing_hint or r.default_routing_type
             if not (r.auto_create_addresses and (routing == MULTICAST or r.auto_create_queues)):
                 raise NotFound(
                     f"address '{name}' does not exist and auto-create is off for it; "
@@ -245,9 +241,9 @@ class Broker:
                 )
             a = self.create_address(name, routing, auto_created=True)
             if options != QueueOptions() and a.queues:
-                self._apply_options(a.queues[0], options)
+                self.set_queue_options(a.queues[0], options)
         else:
-            self._check_routing(a, routing_hint)
+            _check_routing(a, routing_hint)
         if a.routing == ANYCAST:
             if not a.queues:
                 return self.anycast_queue(a, options)
@@ -308,14 +304,6 @@ class Broker:
 
     def find_subscription(self, link_name: str, container: str) -> Queue | None:
         return self.subscriptions.find(link_name, container)
-
-    def _check_routing(self, a: Address, hint: str | None) -> None:
-        if hint is not None and hint != a.routing:
-            kind = "a queue (anycast)" if a.routing == ANYCAST else "a topic (multicast)"
-            raise PreconditionFailed(
-                f"address '{a.name}' exists as {kind}; attach with the matching "
-                "capability ('queue' or 'topic') or use another address"
-            )
 
     def is_topic(self, address: str) -> bool:
         """Whether an address exists as, or would be auto-created as, a topic."""
@@ -386,12 +374,6 @@ class Broker:
         if durable and declare:
             self.store.queue_declared(qid, name, queue_attributes(q))
         return q
-
-    def _apply_options(self, q: Queue, options: QueueOptions) -> None:
-        q.options = options.model_dump(exclude_none=True)
-        q.policy = self._policy(q.address.name if q.address else q.name, options)
-        if q.durable:
-            self.store.queue_declared(q.qid, q.name, queue_attributes(q))
 
     def delete_queue(self, q: Queue) -> list[Any]:
         """Remove a queue (its messages are dropped). Returns the consumers that were
@@ -552,9 +534,13 @@ class Broker:
         return self._create_queue(name, a, durable=durable, options=options, subscription_of=sub)
 
     def set_queue_options(self, q: Queue, options: QueueOptions) -> None:
-        """Replace a queue's options (management UPDATE); persisted with a durable
-        queue. A change of grouping mode clears its group bindings."""
-        self._apply_options(q, options)
+        """Replace a queue's options (management UPDATE, or the options in the address
+        string that auto-created it); persisted with a durable queue. A change of
+        grouping mode clears its group bindings."""
+        q.options = options.model_dump(exclude_none=True)
+        q.policy = self._policy(q.address.name if q.address else q.name, options)
+        if q.durable:
+            self.store.queue_declared(q.qid, q.name, queue_attributes(q))
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -567,3 +553,12 @@ class Broker:
             "duplicates_dropped": self.duplicates_dropped,
             "pending_dispatch": len(self._pending),
         }
+
+
+def _check_routing(a: Address, hint: str | None) -> None:
+    if hint is not None and hint != a.routing:
+        kind = "a queue (anycast)" if a.routing == ANYCAST else "a topic (multicast)"
+        raise PreconditionFailed(
+            f"address '{a.name}' exists as {kind}; attach with the matching "
+            "capability ('queue' or 'topic') or use another address"
+        )

@@ -19,7 +19,7 @@ connection (`AmqpConnection.detach_link`).
 Paging: `_depage_loop` wakes when memory is freed while a queue has paged messages
 (or a store cycle completed); for each paging queue with room below the low-water
 mark it reads the oldest records in a worker thread (`PageStore.read`) and hands them
-to `Broker.depage`. A durable queue is read back only while the journal holds less
+to `Broker.paging.depage`. A durable queue is read back only while the journal holds less
 than 2 x `store_max_batch_bytes` unwritten (its records are journaled again on the
 way back; without this bound a slow disk would let the journal buffer grow). On
 start, the page store is opened after the journal's queues are restored, so each
@@ -57,6 +57,7 @@ from amqbroker.core.address_settings import AddressSettingsRepository
 from amqbroker.core.auth import Authenticator
 from amqbroker.core.authz import Authorizer
 from amqbroker.core.broker import Broker
+from amqbroker.core.queue_records import restore_queue
 from amqbroker.core.slow_consumers import KILL, SlowConsumerDetector
 from amqbroker.core.timers import Timers
 from amqbroker.net.driver import Hub
@@ -242,7 +243,7 @@ class BrokerApp:
         )
         self.broker = broker
         for rq in recovered.queues:
-            broker.restore_queue(rq.qid, rq.name, rq.attributes, rq.entries)
+            restore_queue(broker, rq.qid, rq.name, rq.attributes, rq.entries)
             self.recovered_queues += 1
             self.recovered_messages += len(rq.entries)
         restored = {q.qid: q for q in broker.queues.values() if q.durable}
@@ -565,10 +566,10 @@ class BrokerApp:
         backlog_max = 2 * self.settings.store_max_batch_bytes
         while True:
             progressed = False
-            for q in broker.depage_candidates():
+            for q in broker.paging.candidates():
                 if q.durable and j.statistics()["buffered_bytes"] > backlog_max:
                     continue  # woken again when a store cycle completes
-                room = broker.depage_room(q)
+                room = broker.paging.room(q)
                 plan = pager.plan(q.qid, room) if room > 0 else None
                 if plan is None:
                     continue  # no room, or its records are not written yet
@@ -580,7 +581,7 @@ class BrokerApp:
                     continue  # purged or deleted meanwhile
                 if plan.lost:
                     q.page_lost(plan.lost, plan.lost_bytes)
-                broker.depage(q, entries)
+                broker.paging.depage(q, entries)
                 self.hub.flush()
                 progressed = True
             if not progressed:
@@ -591,7 +592,7 @@ class BrokerApp:
         assert broker is not None
         while True:
             await trio.sleep(self.settings.expiry_scan_period)
-            n = broker.expire_scan()
+            n = broker.dead_letters.expire_scan()
             if n:
                 log.debug("expiry reaper removed %d message(s)", n)
             self.hub.flush()

@@ -14,7 +14,8 @@ What this module owns
 - `AddressSettingsRepository`: resolves an address to its `ResolvedAddressSettings` by
   merging every matching pattern, with a bounded LRU cache.
 - `parse_address_options`: splits Artemis-style queue options off an address string
-  (``orders?group-buckets=1024&group-rebalance=true``) into `QueueOptions`;
+  (``orders?group-buckets=1024&group-rebalance=true``) into `QueueOptions`
+  (`parse_client_address`: the same, a bad option being the client's InvalidField);
   `queue_config` combines them with the resolved address settings into a `QueueConfig`.
 
 Where the fields come from
@@ -83,6 +84,7 @@ from pydantic import (
     create_model,
 )
 
+from amqbroker.core.errors import InvalidField
 from amqbroker.core.queue_settings import (
     BOOL,
     COUNT,
@@ -122,6 +124,7 @@ __all__ = [
     "check_pattern",
     "ordered_patterns",
     "parse_address_options",
+    "parse_client_address",
     "pattern_matches",
     "queue_config",
     "specificity",
@@ -540,6 +543,15 @@ def _valid_keys_text() -> str:
         + " (snake_case also accepted), and the ActiveMQ Classic aliases "
         + " and ".join(aliases)
     )
+
+
+def parse_client_address(address: str) -> tuple[str, QueueOptions]:
+    """`parse_address_options` for an address a client gave: a bad option is the
+    client's error (InvalidField)."""
+    try:
+        return parse_address_options(address)
+    except ValueError as exc:
+        raise InvalidField(f"bad address {address!r}: {exc}") from exc
 
 
 def parse_address_options(address: str) -> tuple[str, QueueOptions]:

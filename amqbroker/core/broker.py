@@ -2,14 +2,17 @@
 
 Everything the protocol layer does with messages goes through here: finding or
 auto-creating the queue a consumer attaches to or the address a producer sends to,
-routing an arriving message, temporary queues, dead-lettering and expiry routing, and
-deferred dispatch (a queue that used up its dispatch batch asks to be continued after
-other work has run: `run_deferred`).
+routing an arriving message, temporary queues, and deferred dispatch (a queue that
+used up its dispatch batch asks to be continued after other work has run:
+`run_deferred`). Dead-lettering, expiry routing and the operator's message moves are
+the `dead_letters` it owns (`amqbroker.core.dead_letters`).
 
 Paging (address_full_policy PAGE): with a page store (`pager`), the queues of a PAGE
-address page messages while it is full; `depage_candidates` / `depage` are how the
-application's depage task reads them back (see `amqbroker.store.paging`). Without a
-page store PAGE acts as BLOCK.
+address page messages while it is full; the `paging` it owns (`Depager`,
+`amqbroker.core.broker_paging`) is how the application's depage task reads them back
+(see `amqbroker.store.paging`). Without a page store PAGE acts as BLOCK. Durable
+queues are declared in the store with `amqbroker.core.queue_records.queue_attributes`
+and recreated from them by its `restore_queue`.
 
 Address settings are resolved by wildcard match when an address or queue is created
 and kept on the object; queue options from the address string (`orders?group-
@@ -19,35 +22,43 @@ buckets=1024`) apply when the queue is created and are persisted with it.
 from __future__ import annotations
 
 import itertools
-import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from amqbroker.core import delivery_log as dl
 from amqbroker.core.address import ANYCAST, MULTICAST, Address, MemoryBudget
 from amqbroker.core.address_settings import (
     AddressSettingsRepository,
     QueueOptions,
     ResolvedAddressSettings,
-    parse_address_options,
+    parse_client_address,
     queue_config,
 )
+from amqbroker.core.broker_paging import Depager
 from amqbroker.core.codec import MessageCodec, PlainCodec
+from amqbroker.core.dead_letters import DeadLetters
 from amqbroker.core.delivery_log import DeliveryLog
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import (
     BrokerError,
-    InvalidField,
     NotFound,
     PreconditionFailed,
     ResourceLimitExceeded,
 )
 from amqbroker.core.persistence import NoPersistence, Persistence
 from amqbroker.core.queue import Pager, Queue, QueuePolicy
+from amqbroker.core.queue_records import queue_attributes
+from amqbroker.core.subscriptions import Subscription, Subscriptions
 from amqbroker.core.timers import Timers
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "NO_ROUTE",
+    "PENDING",
+    "ROUTED",
+    "ROUTED_SYNC",
+    "Broker",
+    "Router",
+    "Subscription",  # re-exported from amqbroker.core.subscriptions
+]
 
 #: route() results
 ROUTED = 0
@@ -66,35 +77,6 @@ class Router(Protocol):
     def route(
         self, a: Address, e: Entry, done: Callable[[int | BrokerError], None]
     ) -> int | None: ...
-
-
-@dataclass(frozen=True)
-class Subscription:
-    """A topic subscription a consumer link asks for (JMS durable / shared
-    subscriptions). `container` is the client's container id (JMS clientID), empty for
-    a global subscription; the queue is named from both."""
-
-    name: str
-    container: str = ""
-    durable: bool = False
-    shared: bool = False
-    selector: str | None = None
-    no_local: bool = False
-
-    @property
-    def queue_name(self) -> str:
-        base = f"{self.container}.{self.name}" if self.container else self.name
-        if self.durable:
-            return base
-        return f"{base}:shared-volatile" if self.container else f"{base}:global-volatile"
-
-
-def _parse(address: str) -> tuple[str, QueueOptions]:
-    """Address name and queue options; a bad option is the client's error."""
-    try:
-        return parse_address_options(address)
-    except ValueError as exc:
-        raise InvalidField(f"bad address {address!r}: {exc}") from exc
 
 
 class Broker:
@@ -135,10 +117,9 @@ class Broker:
         #: broker-wide bound on queued message bytes (-1 = unlimited)
         self.budget = MemoryBudget(global_max_size)
         #: page store for PAGE addresses; read back below `page_low_water` (a fraction
-        #: of the limit), at most `page_read_ahead` bytes per step
+        #: of the limit), at most `page_read_ahead` bytes per step (`paging`)
         self.pager = pager
-        self.page_low_water = page_low_water
-        self.page_read_ahead = page_read_ahead
+        self.paging = Depager(self.budget, self.store, page_low_water, page_read_ahead)
         self.budget.on_room = depage_wake
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
@@ -154,6 +135,10 @@ class Broker:
         #: clustered routing hook (None: single node)
         self.router: Router | None = None
         self.duplicates_dropped = 0
+        #: dead-lettering, expiry routing, moveMessages/retryMessages, the expiry scan
+        self.dead_letters = DeadLetters(self)
+        #: named (durable / shared) topic subscriptions
+        self.subscriptions = Subscriptions(self)
 
     # ------------------------------------------------------------- settings
     def resolve(self, address: str) -> ResolvedAddressSettings:
@@ -183,20 +168,19 @@ class Broker:
             self._create_queue(name, a, durable=durable, auto_created=auto_created)
         return a
 
-    def _full_policy(self, r: ResolvedAddressSettings) -> str:
-        p = r.address_full_policy
-        return "BLOCK" if p == "PAGE" and self.pager is None else p
-
     def _new_address(self, name: str, routing: str, *, auto_created: bool = False) -> Address:
         """Create and register address `name` with its resolved settings (the caller
         has checked that it does not exist)."""
         r = self.resolve(name)
+        full_policy = r.address_full_policy
+        if full_policy == "PAGE" and self.pager is None:
+            full_policy = "BLOCK"  # PAGE without a page store acts as BLOCK
         a = Address(
             name,
             routing,
             settings=r,
             max_size=r.max_size_bytes,
-            full_policy=self._full_policy(r),
+            full_policy=full_policy,
             budget=self.budget,
             auto_created=auto_created,
         )
@@ -210,12 +194,9 @@ class Broker:
             name = f"{self.temporary_queue_prefix}{next(self._tmp_counter)}"
         return name
 
-    def _routing_for(self, name: str, hint: str | None) -> str:
-        return hint or self.resolve(name).default_routing_type
-
     def address_for_producer(self, address: str, routing_hint: str | None = None) -> Address:
         """The address a producer link targets, auto-created when settings allow."""
-        name, options = _parse(address)
+        name, options = parse_client_address(address)
         a = self.addresses.get(name)
         if a is None:
             if name.startswith(self.temporary_queue_prefix):
@@ -231,12 +212,12 @@ class Broker:
                     "create it in the broker configuration ('addresses') or enable "
                     "auto_create_addresses in its address settings"
                 )
-            routing = self._routing_for(name, routing_hint)
+            routing = routing_hint or r.default_routing_type
             a = self.create_address(name, routing, auto_created=True)
             if options != QueueOptions() and a.queues:
-                self._apply_options(a.queues[0], options)
+                self.set_queue_options(a.queues[0], options)
         else:
-            self._check_routing(a, routing_hint)
+            _check_routing(a, routing_hint)
         return a
 
     def queue_for_consumer(
@@ -247,11 +228,11 @@ class Broker:
     ) -> Queue:
         """The queue a consumer link reads from. For a multicast address this is a new
         subscription queue, deleted when the consumer goes."""
-        name, options = _parse(address)
+        name, options = parse_client_address(address)
         a = self.addresses.get(name)
         if a is None:
             r = self.resolve(name)
-            routing = self._routing_for(name, routing_hint)
+            routing = routing_hint or r.default_routing_type
             if not (r.auto_create_addresses and (routing == MULTICAST or r.auto_create_queues)):
                 raise NotFound(
                     f"address '{name}' does not exist and auto-create is off for it; "
@@ -260,9 +241,9 @@ class Broker:
                 )
             a = self.create_address(name, routing, auto_created=True)
             if options != QueueOptions() and a.queues:
-                self._apply_options(a.queues[0], options)
+                self.set_queue_options(a.queues[0], options)
         else:
-            self._check_routing(a, routing_hint)
+            _check_routing(a, routing_hint)
         if a.routing == ANYCAST:
             if not a.queues:
                 return self.anycast_queue(a, options)
@@ -310,96 +291,19 @@ class Broker:
         )
 
     # -------------------------------------------------------- subscriptions
+    # (the protocol layer's names for `Subscriptions`, amqbroker.core.subscriptions)
     def subscription_queue(
-        self,
-        address: str,
-        sub: Subscription,
-        *,
-        origin: str | None = None,
+        self, address: str, sub: Subscription, *, origin: str | None = None
     ) -> Queue:
-        """The queue of a named (durable or shared) topic subscription, created on
-        first use. An existing subscription whose topic or selector differs is
-        replaced when nobody consumes from it (JMS: changing a durable subscription is
-        an unsubscribe and a new subscribe); with consumers attached that is an error.
-        `origin`: the connection whose own messages a no-local subscription skips."""
-        name, options = _parse(address)
-        if self.addresses.get(name) is None:
-            r = self.resolve(name)
-            if not r.auto_create_addresses:
-                raise NotFound(
-                    f"topic '{name}' does not exist and auto-create is off for it; create "
-                    "it in the broker configuration or enable auto_create_addresses"
-                )
-            self.create_address(name, MULTICAST, auto_created=True)
-        a = self.addresses[name]
-        if a.routing != MULTICAST:
-            raise PreconditionFailed(
-                f"address '{name}' is a queue (anycast); subscriptions (durable or shared) "
-                "need a topic: attach with the 'topic' capability to a multicast address"
-            )
-        qname = sub.queue_name
-        q = self.queues.get(qname)
-        if q is not None:
-            same = q.address is a and q.selector == sub.selector and q.no_local == sub.no_local
-            if not same:
-                if q.consumer_count:
-                    raise PreconditionFailed(
-                        f"subscription '{sub.name}' exists on topic "
-                        f"'{q.address.name if q.address else '?'}' with selector "
-                        f"{q.selector!r} and has active consumers; close them before "
-                        "subscribing with another topic or selector"
-                    )
-                self.delete_queue(q)
-                q = None
-        if q is None:
-            q = self._create_queue(
-                qname,
-                a,
-                durable=sub.durable,
-                options=options,
-                subscription=not sub.durable,
-                subscription_of=sub,
-            )
-        if sub.no_local and origin is not None:
-            q.no_local_origin = origin  # a re-attach: the new connection's own messages
-        return q
+        return self.subscriptions.queue(address, sub, origin=origin)
 
     def filter_subscription(
         self, q: Queue, selector: str | None, no_local: bool, origin: str | None = None
     ) -> None:
-        """Set a subscription queue's routing-time filter: its selector (raises
-        SelectorError when invalid) and no-local (skip messages from `origin`)."""
-        if selector:
-            q.filter = self.codec.selector_filter(selector)
-            q.selector = selector
-        q.no_local = no_local
-        if no_local and origin is not None:
-            q.no_local_origin = origin
+        self.subscriptions.set_filter(q, selector, no_local, origin)
 
     def find_subscription(self, link_name: str, container: str) -> Queue | None:
-        """The queue of an existing subscription named by a link (Qpid JMS
-        unsubscribes by attaching with the subscription's link name and no source)."""
-        base, _, suffix = link_name.partition("|")
-        names = []
-        if suffix.startswith("global"):
-            names.append(base)
-        else:
-            names.append(f"{container}.{base}" if container else base)
-            names.append(base)
-        for n in names:
-            for qn in (n, f"{n}:shared-volatile", f"{n}:global-volatile"):
-                q = self.queues.get(qn)
-                if q is not None and q.subscription_name is not None:
-                    return q
-        return None
-
-    def _check_routing(self, a: Address, hint: str | None) -> None:
-        if hint is not None and hint != a.routing:
-            kind = "a queue (anycast)" if a.routing == ANYCAST else "a topic (multicast)"
-            raise PreconditionFailed(
-                f"address '{a.name}' exists as {kind}; attach with the matching "
-                "capability ('queue' or 'topic') or use another address"
-            )
+        return self.subscriptions.find(link_name, container)
 
     def is_topic(self, address: str) -> bool:
         """Whether an address exists as, or would be auto-created as, a topic."""
@@ -464,75 +368,11 @@ class Broker:
             q.pager = self.pager
         if subscription_of is not None:
             q.subscription_name = subscription_of.name
-            self.filter_subscription(q, subscription_of.selector, subscription_of.no_local)
+            self.subscriptions.set_filter(q, subscription_of.selector, subscription_of.no_local)
         address.queues.append(q)
         self.queues[name] = q
         if durable and declare:
-            self.store.queue_declared(qid, name, self._queue_attributes(q))
-        return q
-
-    def _apply_options(self, q: Queue, options: QueueOptions) -> None:
-        q.options = options.model_dump(exclude_none=True)
-        q.policy = self._policy(q.address.name if q.address else q.name, options)
-        if q.durable:
-            self.store.queue_declared(q.qid, q.name, self._queue_attributes(q))
-
-    @staticmethod
-    def _queue_attributes(q: Queue) -> dict[str, Any]:
-        a = q.address
-        attrs: dict[str, Any] = {
-            "address": a.name if a else q.name,
-            "routing": a.routing if a else ANYCAST,
-            "auto_created": q.auto_created,
-            "options": q.options,
-        }
-        if q.subscription_name is not None:
-            attrs["subscription"] = q.subscription_name
-            attrs["selector"] = q.selector
-            attrs["no_local"] = q.no_local
-        if q.page_mark:
-            attrs["paged_through"] = q.page_mark
-        return attrs
-
-    def restore_queue(
-        self, qid: int, name: str, attributes: dict[str, Any], entries: Iterable[Entry]
-    ) -> Queue:
-        """Recreate a durable queue from the store, with its messages in order."""
-        aname = attributes.get("address", name)
-        routing = attributes.get("routing", ANYCAST)
-        a = self.addresses.get(aname)
-        if a is None:
-            a = self._new_address(aname, routing, auto_created=bool(attributes.get("auto_created")))
-        opts = QueueOptions(**attributes.get("options", {}))
-        sub = None
-        if attributes.get("subscription") is not None:
-            sub = Subscription(
-                str(attributes["subscription"]),
-                durable=True,
-                selector=attributes.get("selector"),
-                no_local=bool(attributes.get("no_local")),
-            )
-        # already declared in the store: recreate it without a new record
-        q = self._create_queue(
-            name,
-            a,
-            durable=True,
-            auto_created=bool(attributes.get("auto_created")),
-            options=opts,
-            qid=qid,
-            declare=False,
-            subscription_of=sub,
-        )
-        q.restore(entries)
-        q.restore_paged(0, 0, 0, int(attributes.get("paged_through", 0)))
-        w = a.dedup
-        if w is not None:
-            # the window is not journaled: after a restart it holds the ids of the
-            # messages recovered (still queued); ids of consumed messages are forgotten
-            for e in q.browse():
-                key = self.codec.duplicate_id(e.data)
-                if key is not None:
-                    w.seen(key)
+            self.store.queue_declared(qid, name, queue_attributes(q))
         return q
 
     def delete_queue(self, q: Queue) -> list[Any]:
@@ -589,42 +429,6 @@ class Broker:
             return NO_ROUTE
         return ROUTED_SYNC if sync else ROUTED
 
-    # --------------------------------------------------------------- paging
-    def depage_candidates(self) -> list[Queue]:
-        """Paging queues whose address has room to read messages back now."""
-        lw = self.page_low_water
-        return [
-            q
-            for q in self.budget.paging
-            if not q.deleted and q.address is not None and q.address.page_room(lw)
-        ]
-
-    def depage_room(self, q: Queue) -> int:
-        """Bytes `q` may read back now (0: none; at most `page_read_ahead`)."""
-        if q.deleted or not q.paged_count or q.address is None:
-            return 0
-        room = q.address.page_room(self.page_low_water)
-        if room < 0 or room > self.page_read_ahead:
-            return self.page_read_ahead
-        return room
-
-    def depage(self, q: Queue, entries: list[Entry]) -> None:
-        """Enqueue messages read back from `q`'s page. For a durable queue their ADD
-        records and the new `paged_through` mark are one atomic journal record, so
-        after a crash the messages are in the journal or still in the page, never
-        both or neither (see `amqbroker.store.paging`)."""
-        if q.deleted:
-            return
-        if not q.durable:
-            q.depage(entries)
-            return
-        self.store.begin_atomic()
-        try:
-            q.depage(entries)
-        finally:
-            self.store.queue_declared(q.qid, q.name, self._queue_attributes(q))
-            self.store.end_atomic()
-
     def is_duplicate(self, a: Address, data: bytes) -> bool:
         """Duplicate detection (address setting duplicate_detection_window): True when
         the message's duplicate id (application property _AMQ_DUPL_ID, else the
@@ -664,77 +468,12 @@ class Broker:
         return bool(self._pending)
 
     def dead_letter(self, queue: Queue, entry: Entry, reason: str) -> None:
-        if self.dlog is not None:
-            self.dlog.event(dl.DEAD_LETTERED, queue.name, entry)
-        a = queue.address
-        r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
-        dla = r.dead_letter_address
-        if not dla or (a is not None and dla == a.name):
-            self.dropped_dead_letters += 1
-            log.warning(
-                "queue %r: message seq %d dropped (%s) - no dead_letter_address is set "
-                "for this address; set one in its address settings to keep such messages",
-                queue.name,
-                entry.seq,
-                reason,
-            )
-            return
-        mid = self.codec.message_id(entry.data)
-        annotations: dict[str, str | int | bool | None] = {
-            "x-opt-ORIG-ADDRESS": a.name if a else queue.name,
-            "x-opt-ORIG-QUEUE": queue.name,
-            "x-opt-DLQ-REASON": reason,
-        }
-        if mid is not None:
-            annotations["x-opt-ORIG-MESSAGE-ID"] = str(mid)
-        self._reroute(dla, entry, annotations, keep_expiry=True)
+        """QueueHost: `queue` gives `entry` up (see `amqbroker.core.dead_letters`)."""
+        self.dead_letters.dead_letter(queue, entry, reason)
 
     def expired(self, queue: Queue, entry: Entry) -> None:
-        if self.dlog is not None:
-            self.dlog.event(dl.EXPIRED, queue.name, entry)
-        a = queue.address
-        r = a.settings if a is not None and a.settings is not None else self.resolve(queue.name)
-        ea = r.expiry_address
-        if not ea or (a is not None and ea == a.name):
-            return
-        annotations: dict[str, str | int | bool | None] = {
-            "x-opt-ORIG-ADDRESS": a.name if a else queue.name,
-            "x-opt-ORIG-QUEUE": queue.name,
-            "x-opt-ACTUAL-EXPIRY": int(self.clock() * 1000),
-        }
-        self._reroute(ea, entry, annotations, keep_expiry=False)
-
-    def _reroute(
-        self,
-        target: str,
-        entry: Entry,
-        annotations: dict[str, str | int | bool | None],
-        *,
-        keep_expiry: bool,
-    ) -> None:
-        try:
-            a = self.address_for_producer(target)
-        except NotFound as exc:
-            self.dropped_dead_letters += 1
-            log.warning("cannot move message to %r: %s", target, exc.description)
-            return
-        data = self.codec.annotate(entry.data, annotations)
-        copy = Entry(
-            data,
-            entry.durable,
-            entry.priority,
-            entry.expiry if keep_expiry else 0,
-            0,
-            entry.group_id,
-            entry.group_seq,
-        )
-        copy.trace = entry.trace
-        if a.queues or a.routing == ANYCAST:
-            try:
-                self.route(a, copy)
-            except NotFound as exc:  # an anycast address whose queue is gone for good
-                self.dropped_dead_letters += 1
-                log.warning("cannot move message to %r: %s", target, exc.description)
+        """QueueHost: `entry` of `queue` expired (see `amqbroker.core.dead_letters`)."""
+        self.dead_letters.expired(queue, entry)
 
     def queue_idle(self, queue: Queue) -> None:
         """A queue lost its last consumer: delete it if it is a subscription queue, or
@@ -795,65 +534,13 @@ class Broker:
         return self._create_queue(name, a, durable=durable, options=options, subscription_of=sub)
 
     def set_queue_options(self, q: Queue, options: QueueOptions) -> None:
-        """Replace a queue's options (management UPDATE); persisted with a durable
-        queue. A change of grouping mode clears its group bindings."""
-        self._apply_options(q, options)
-
-    def move_messages(
-        self, src: Queue, dst: Queue, match: Callable[[Entry], bool] | None = None
-    ) -> int:
-        """Move the waiting messages of `src` that `match` accepts (all by default) to
-        the tail of `dst`, in queue order (management `moveMessages`, e.g. out of a
-        dead-letter queue). In-flight, delayed and paged messages stay. The copy in
-        `dst` is recorded before the removal from `src`: a crash in between
-        duplicates, never loses. Address limits are not applied (an operator's act)."""
-        if dst is src:
-            raise InvalidField(f"cannot move messages of queue '{src.name}' to itself")
-
-        def sink(e: Entry) -> None:
-            dst.enqueue(e.copy())
-
-        return src.take_waiting(match or _everything, sink)
-
-    def retry_messages(self, dlq: Queue, original_address: Callable[[bytes], str | None]) -> int:
-        """Send dead letters back where they came from (management `retryMessages`):
-        each waiting message of `dlq` whose `original_address` (the protocol layer
-        reads the x-opt-ORIG-ADDRESS annotation) names an address other than the
-        dead-letter queue's own is routed there again with delivery-count 0 and
-        removed from `dlq`. Messages without it, whose address is gone and cannot be
-        auto-created, or whose topic has no subscriber, stay. Returns how many were sent back."""
-        own = dlq.address.name if dlq.address is not None else dlq.name
-        targets: dict[Entry, Address] = {}
-
-        def match(e: Entry) -> bool:
-            name = original_address(e.data)
-            if not name or name == own:
-                return False
-            a = self.addresses.get(name)
-            if a is None:
-                try:
-                    a = self.address_for_producer(name)
-                except (NotFound, InvalidField):
-                    return False
-            if not a.queues:
-                return False  # a topic without subscribers would drop it: it stays
-            targets[e] = a
-            return True
-
-        def sink(e: Entry) -> None:
-            copy = Entry(e.data, e.durable, e.priority, e.expiry, 0, e.group_id, e.group_seq)
-            self.route(targets.pop(e), copy, check_full=False)
-
-        return dlq.take_waiting(match, sink)
-
-    # ------------------------------------------------------------- periodic
-    def expire_scan(self) -> int:
-        n = 0
-        for q in list(self.queues.values()):
-            n += q.expire_scan()
-            if not q.count:
-                self.queue_idle(q)
-        return n
+        """Replace a queue's options (management UPDATE, or the options in the address
+        string that auto-created it); persisted with a durable queue. A change of
+        grouping mode clears its group bindings."""
+        q.options = options.model_dump(exclude_none=True)
+        q.policy = self._policy(q.address.name if q.address else q.name, options)
+        if q.durable:
+            self.store.queue_declared(q.qid, q.name, queue_attributes(q))
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -868,5 +555,10 @@ class Broker:
         }
 
 
-def _everything(e: Entry) -> bool:
-    return True
+def _check_routing(a: Address, hint: str | None) -> None:
+    if hint is not None and hint != a.routing:
+        kind = "a queue (anycast)" if a.routing == ANYCAST else "a topic (multicast)"
+        raise PreconditionFailed(
+            f"address '{a.name}' exists as {kind}; attach with the matching "
+            "capability ('queue' or 'topic') or use another address"
+        )

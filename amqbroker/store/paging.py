@@ -34,7 +34,7 @@ Reading back (depaging) happens off the hot path: the application asks `plan` wh
 read next for a queue (event loop, no I/O), runs `read` in a worker thread (pread of
 at most about `max_bytes` from the oldest segment, only bytes already written), then
 `consumed` on the event loop, which advances the read cursor and returns the entries
-for `Broker.depage` to enqueue. A read whose queue was dropped meanwhile (purge,
+for `Broker.paging.depage` to enqueue. A read whose queue was dropped meanwhile (purge,
 delete) is discarded (`_QueuePages.gen`). A segment read to its end is deleted by a
 later store cycle: at once for a non-durable queue; for a durable queue only once the
 store cycle that recorded the depage in the journal is complete (see Durability).
@@ -46,7 +46,7 @@ page record is its durable copy, synced before the producer's transfer is settle
 (same cycle as the journal). The journal keeps an index entry (with the message
 bytes) for every live message it holds, so journaling paged messages would keep them
 in memory; this way a paged message costs no memory at all. When the message is read
-back, `Broker.depage` enqueues it normally (an ADD record in the journal) and, in the
+back, `Broker.paging.depage` enqueues it normally (an ADD record in the journal) and, in the
 same atomic journal group (one TXN record), re-declares the queue with the attribute
 ``paged_through`` = the highest seq read back from the page (`Queue.page_mark`). So
 after a crash either the ADDs and the mark are both in the journal, or neither is and

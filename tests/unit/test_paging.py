@@ -2,7 +2,7 @@
 
 `Rig` does what the application does (amqbroker.app): a store cycle takes the journal
 batch and the page records together and writes them; the depage step reads a queue's
-oldest page records and hands them to `Broker.depage`. Real files under tmp_path.
+oldest page records and hands them to `Broker.paging.depage`. Real files under tmp_path.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from amqbroker.core.address import ANYCAST, MULTICAST
 from amqbroker.core.address_settings import AddressSettings, AddressSettingsRepository
 from amqbroker.core.entry import Entry
 from amqbroker.core.queue import Queue
+from amqbroker.core.queue_records import restore_queue
 from amqbroker.core.timers import Timers
 from amqbroker.store.journal import Journal
 from amqbroker.store.paging import PageStore, decode_page_record, encode_page_record
@@ -49,7 +50,7 @@ class Rig:
             depage_wake=self._wake,
         )
         for rq in recovered.queues:
-            self.broker.restore_queue(rq.qid, rq.name, rq.attributes, rq.entries)
+            restore_queue(self.broker, rq.qid, rq.name, rq.attributes, rq.entries)
         keep = {q.qid: q.page_mark for q in self.broker.queues.values() if q.durable}
         for qid, back in self.pager.open(keep).items():
             q = next(q for q in self.broker.queues.values() if q.qid == qid)
@@ -86,8 +87,8 @@ class Rig:
         """Store cycle, then one depage step per candidate queue (app._depage_loop)."""
         self.cycle()
         n = 0
-        for q in self.broker.depage_candidates():
-            room = self.broker.depage_room(q)
+        for q in self.broker.paging.candidates():
+            room = self.broker.paging.room(q)
             plan = self.pager.plan(q.qid, room) if room > 0 else None
             if plan is None:
                 continue
@@ -97,7 +98,7 @@ class Rig:
                 continue
             if plan.lost:
                 q.page_lost(plan.lost, plan.lost_bytes)
-            self.broker.depage(q, entries)
+            self.broker.paging.depage(q, entries)
             n += len(entries)
         return n
 
@@ -350,13 +351,13 @@ def test_crash_between_read_back_and_journal_write_loses_nothing(tmp_path: Path)
     q.remove_consumer(c, [])
     rig.cycle()
     # read back a step, but "crash" before its journal record is written
-    (cand,) = rig.broker.depage_candidates()
-    plan = rig.pager.plan(cand.qid, rig.broker.depage_room(cand))
+    (cand,) = rig.broker.paging.candidates()
+    plan = rig.pager.plan(cand.qid, rig.broker.paging.room(cand))
     assert plan is not None
     rig.pager.read(plan)
     entries = rig.pager.consumed(plan, rig.cycles + 1)
     assert entries
-    rig.broker.depage(q, entries)
+    rig.broker.paging.depage(q, entries)
     rig.journal.close()  # buffered records (the TXN) are lost
 
     rig2 = Rig(tmp_path, durable=True)

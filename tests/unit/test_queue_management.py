@@ -1,5 +1,5 @@
 """Unit tests of the queue's management support (`Queue` section "admin pause and
-ages"; `Broker.move_messages`): the operator's pause, arrival times from the coarse
+ages"; `DeadLetters.move_messages`): the operator's pause, arrival times from the coarse
 clock and their bounded marks, group settle times, and taking waiting messages out of
 every place they can wait (main order, a group's parked messages, unmatched)."""
 
@@ -75,7 +75,7 @@ def test_take_waiting_from_main_parked_and_unmatched_then_groups_move_on() -> No
     h.send(None)  # u1: c refuses it -> unmatched once dispatch tries
     h.add_credit(c, 0)
     dst = h.broker.create_address("dst", "anycast", durable=False).queues[0]
-    moved = h.broker.move_messages(h.queue, dst, lambda e: e.data in (b"A2", b"u1"))
+    moved = h.broker.dead_letters.move_messages(h.queue, dst, lambda e: e.data in (b"A2", b"u1"))
     assert moved == 2
     assert sorted(e.data for e in dst.browse()) == [b"A2", b"u1"]
     assert (h.queue.count, dst.count) == (1, 2)  # A1 stays (in flight)

@@ -9,7 +9,7 @@ like any message (a dynamic receiver's temporary queue, usually) with applicatio
 properties `statusCode` / `statusDescription` and `correlation-id` = the request's
 message-id (its correlation-id when it has no message-id). Requests are rare, so
 this package uses Proton's object API (`proton.Message`) freely: it is not on the hot
-path, and the core does the work (`Queue.take_waiting`, `Broker.move_messages`...).
+path, and the core does the work (`Queue.take_waiting`, `DeadLetters.move_messages`...).
 
 Modules:
 

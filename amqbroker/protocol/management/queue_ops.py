@@ -133,7 +133,7 @@ def _move(ctx: Context, req: Request, q: Queue) -> tuple[int, Any]:
             match = ctx.broker.codec.selector_filter(selector)
         except SelectorError as exc:
             raise ManagementError(BAD_REQUEST, f"bad filter {selector!r}: {exc}") from None
-    return OK, {"moved": ctx.broker.move_messages(q, dst, match)}
+    return OK, {"moved": ctx.broker.dead_letters.move_messages(q, dst, match)}
 
 
 def original_address(data: bytes) -> str | None:
@@ -149,7 +149,7 @@ def original_address(data: bytes) -> str | None:
 
 
 def _retry(ctx: Context, req: Request, q: Queue) -> tuple[int, Any]:
-    return OK, {"retried": ctx.broker.retry_messages(q, original_address)}
+    return OK, {"retried": ctx.broker.dead_letters.retry_messages(q, original_address)}
 
 
 QUEUE_OPERATIONS: dict[str, tuple[tuple[str, ...], Operation]] = {

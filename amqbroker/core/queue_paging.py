@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from amqbroker.core.group_dispatch import QueueStore
+from amqbroker.core.dispatch_host import QueueStore
 
 if TYPE_CHECKING:
     from amqbroker.core.entry import Entry

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from amqbroker.core.arrivals import ArrivalMarks
-from amqbroker.core.group_dispatch import GroupDispatcher, QueueStore
+from amqbroker.core.dispatch_host import QueueStore
+from amqbroker.core.group_dispatch import GroupDispatcher
 from amqbroker.core.groups import EXCLUSIVE, Group, key_name
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from typing import Any
 
 import proton
 
-__all__ = ["Message", "Unsupported", "decode", "decode_any", "encode", "encode_any"]
+__all__ = ["Message", "Unsupported", "decode", "decode_any", "encode"]
 
 
 class Unsupported(ValueError):
@@ -149,13 +149,29 @@ def encode(
     to: str | None = None,
     properties: dict[Any, Any] | None = None,
     body: Any = None,
+    proton_fallback: bool = False,
 ) -> bytes:
     """The message's bytes: properties (when any field is set), application
-    properties (when given), an amqp-value body (also for None, as proton does)."""
+    properties (when given), an amqp-value body (also for None, as proton does).
+    `Unsupported` for a value the hand codec does not write, unless `proton_fallback`:
+    then `proton.Message` writes it."""
     try:
         return _encode(id, correlation_id, reply_to, to, properties, body)
-    except (struct.error, OverflowError, UnicodeEncodeError) as exc:
-        raise Unsupported(f"value out of range: {exc}") from None
+    except (struct.error, OverflowError, UnicodeEncodeError, Unsupported) as exc:
+        if not proton_fallback:
+            raise exc if isinstance(exc, Unsupported) else Unsupported(str(exc)) from None
+    m: Any = proton.Message(body=body)
+    for name, value in (
+        ("id", id),
+        ("correlation_id", correlation_id),
+        ("reply_to", reply_to),
+        ("address", to),
+    ):
+        if value is not None:
+            setattr(m, name, value)
+    if properties:
+        m.properties = dict(properties)
+    return bytes(m.encode())
 
 
 def _encode(
@@ -203,22 +219,22 @@ def _need(data: bytes, end: int) -> None:
         raise Unsupported("truncated")
 
 
-def _str8(data: bytes, p: int) -> tuple[Any, int]:
-    end = p + 1 + data[p]
-    if end > len(data):
-        raise Unsupported("truncated")
-    try:
-        return data[p + 1 : end].decode(), end
-    except UnicodeDecodeError:
-        raise Unsupported("bad utf-8") from None
+def _variable(width: int, make: Any) -> Any:
+    """A reader of a variable-width value (str, sym, bin) with a `width`-byte size."""
+    size = _UB if width == 1 else _UI
+
+    def read(data: bytes, p: int) -> tuple[Any, int]:
+        _need(data, p + width)
+        end = p + width + size(data, p)[0]
+        _need(data, end)
+        return make(data[p + width : end]), end
+
+    return read
 
 
-def _str32(data: bytes, p: int) -> tuple[Any, int]:
-    _need(data, p + 4)
-    end = p + 4 + _UI(data, p)[0]
-    _need(data, end)
+def _utf8(raw: bytes) -> str:
     try:
-        return data[p + 4 : end].decode(), end
+        return raw.decode()
     except UnicodeDecodeError:
         raise Unsupported("bad utf-8") from None
 
@@ -230,30 +246,7 @@ def _sym(raw: bytes) -> proton.symbol:
         raise Unsupported("bad symbol") from None
 
 
-def _sym8(data: bytes, p: int) -> tuple[Any, int]:
-    end = p + 1 + data[p]
-    _need(data, end)
-    return _sym(data[p + 1 : end]), end
-
-
-def _sym32(data: bytes, p: int) -> tuple[Any, int]:
-    _need(data, p + 4)
-    end = p + 4 + _UI(data, p)[0]
-    _need(data, end)
-    return _sym(data[p + 4 : end]), end
-
-
-def _bin8(data: bytes, p: int) -> tuple[Any, int]:
-    end = p + 1 + data[p]
-    _need(data, end)
-    return bytes(data[p + 1 : end]), end
-
-
-def _bin32(data: bytes, p: int) -> tuple[Any, int]:
-    _need(data, p + 4)
-    end = p + 4 + _UI(data, p)[0]
-    _need(data, end)
-    return bytes(data[p + 4 : end]), end
+_str8 = _variable(1, _utf8)
 
 
 def _fixed(width: int, make: Any) -> Any:
@@ -327,11 +320,11 @@ _READERS: dict[int, Any] = {
     0x43: _const(proton.uint(0)),
     0x44: _const(proton.ulong(0)),
     0xA1: _str8,
-    0xB1: _str32,
-    0xA3: _sym8,
-    0xB3: _sym32,
-    0xA0: _bin8,
-    0xB0: _bin32,
+    0xB1: _variable(4, _utf8),
+    0xA3: _variable(1, _sym),
+    0xB3: _variable(4, _sym),
+    0xA0: _variable(1, bytes),
+    0xB0: _variable(4, bytes),
     0xC0: _list8,
     0xD0: _list32,
     0xC1: _map8,
@@ -366,7 +359,7 @@ def _read(data: bytes, p: int) -> tuple[Any, int]:
         raise Unsupported("truncated")
     c = data[p]
     if c == 0xA1:  # str8: the most common by far
-        return _str8(data, p + 1)
+        return _str8(data, p + 1)  # type: ignore[no-any-return]
     r = _get_reader(c)
     if r is None:
         if c == 0x45:
@@ -452,41 +445,6 @@ def decode(data: bytes) -> Message:
         else:
             raise Unsupported(f"section 0x{code:x}")
     return m
-
-
-def encode_any(
-    *,
-    id: Any = None,
-    correlation_id: Any = None,
-    reply_to: str | None = None,
-    to: str | None = None,
-    properties: dict[Any, Any] | None = None,
-    body: Any = None,
-) -> bytes:
-    """`encode`, or `proton.Message` for what the hand codec does not write."""
-    try:
-        return encode(
-            id=id,
-            correlation_id=correlation_id,
-            reply_to=reply_to,
-            to=to,
-            properties=properties,
-            body=body,
-        )
-    except Unsupported:
-        pass
-    m: Any = proton.Message(body=body)
-    for name, value in (
-        ("id", id),
-        ("correlation_id", correlation_id),
-        ("reply_to", reply_to),
-        ("address", to),
-    ):
-        if value is not None:
-            setattr(m, name, value)
-    if properties:
-        m.properties = dict(properties)
-    return bytes(m.encode())
 
 
 def decode_any(data: bytes) -> Message:

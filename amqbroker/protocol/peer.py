@@ -37,6 +37,7 @@ with "lost" from `input_closed` / `abort`); callbacks run synchronously inside
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 from collections.abc import Callable
@@ -74,23 +75,9 @@ class PeerMessage:
     body: Any = None
 
 
-def encode_message(
-    *,
-    id: Any = None,
-    correlation_id: Any = None,
-    reply_to: str | None = None,
-    to: str | None = None,
-    properties: dict[str, Any] | None = None,
-    body: Any = None,
-) -> bytes:
-    return amqp_message.encode_any(
-        id=id,
-        correlation_id=correlation_id,
-        reply_to=reply_to,
-        to=to,
-        properties=properties,
-        body=body,
-    )
+#: the bytes of a message to a peer (`amqp_message.encode`, proton for the rare value it
+#: does not write)
+encode_message = functools.partial(amqp_message.encode, proton_fallback=True)
 
 
 def decode_message(data: bytes) -> PeerMessage:

@@ -439,8 +439,8 @@ class ManagementLink:
                 return
             answered = True
             props = {"statusCode": status, "statusDescription": description}
-            data = amqp_message.encode_any(
-                to=reply_to, correlation_id=corr, properties=props, body=body
+            data = amqp_message.encode(
+                to=reply_to, correlation_id=corr, properties=props, body=body, proton_fallback=True
             )
             try:
                 broker.route(broker.address_for_relay(reply_to), Entry(data))

@@ -37,14 +37,25 @@ class DeadLetters:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
-    def dead_letter(self, queue: Queue, entry: Entry, reason: str) -> None:
+    def _target(self, queue: Queue, entry: Entry, event: int, expiry: bool) -> str | None:
+        """Log `event` for `entry` leaving `queue`; the address its copy goes to (the
+        queue's dead_letter_address, or expiry_address), None when there is none (or it
+        is the queue's own address)."""
         b = self.broker
         if b.dlog is not None:
-            b.dlog.event(dl.DEAD_LETTERED, queue.name, entry)
+            b.dlog.event(event, queue.name, entry)
         a = queue.address
         r = a.settings if a is not None and a.settings is not None else b.resolve(queue.name)
-        dla = r.dead_letter_address
-        if not dla or (a is not None and dla == a.name):
+        target = r.expiry_address if expiry else r.dead_letter_address
+        if not target or (a is not None and target == a.name):
+            return None
+        return target
+
+    def dead_letter(self, queue: Queue, entry: Entry, reason: str) -> None:
+        b = self.broker
+        a = queue.address
+        dla = self._target(queue, entry, dl.DEAD_LETTERED, expiry=False)
+        if dla is None:
             b.dropped_dead_letters += 1
             log.warning(
                 "queue %r: message seq %d dropped (%s) - no dead_letter_address is set "
@@ -66,12 +77,9 @@ class DeadLetters:
 
     def expired(self, queue: Queue, entry: Entry) -> None:
         b = self.broker
-        if b.dlog is not None:
-            b.dlog.event(dl.EXPIRED, queue.name, entry)
         a = queue.address
-        r = a.settings if a is not None and a.settings is not None else b.resolve(queue.name)
-        ea = r.expiry_address
-        if not ea or (a is not None and ea == a.name):
+        ea = self._target(queue, entry, dl.EXPIRED, expiry=True)
+        if ea is None:
             return
         annotations: dict[str, str | int | bool | None] = {
             "x-opt-ORIG-ADDRESS": a.name if a else queue.name,

@@ -203,10 +203,15 @@ def expire_scan(q: ViewedQueue) -> int:
     expired, touched = _take(q, lambda e: bool(e.expiry and e.expiry <= now_ms))
     for e in expired:
         q.expire(e)
-    q.dispatcher.unstick(touched)  # a stuck head may have expired
-    if expired:
+    return _resume(q, touched, len(expired))  # a stuck head may have expired
+
+
+def _resume(q: ViewedQueue, touched: Any, taken: int) -> int:
+    """After messages were taken out: un-stick the groups touched, dispatch again."""
+    q.dispatcher.unstick(touched)
+    if taken:
         q.dispatch()
-    return len(expired)
+    return taken
 
 
 def take_waiting(
@@ -223,7 +228,4 @@ def take_waiting(
         sink(e)
     for e in taken:
         q.remove(e)
-    q.dispatcher.unstick(touched)  # the stuck head may be gone
-    if taken:
-        q.dispatch()
-    return len(taken)
+    return _resume(q, touched, len(taken))  # the stuck head may be gone

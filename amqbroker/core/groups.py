@@ -35,6 +35,7 @@ change): the dispatch pass does that inline.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -63,13 +64,19 @@ def artemis_hash(group_id: str) -> int:
     return h - (1 << 32) if h >= (1 << 31) else h
 
 
+#: what Java's Integer.parseInt reads: a sign and decimal digits, nothing else (Python's
+#: int() also takes surrounding whitespace and underscores between digits)
+_JAVA_INT = re.compile(r"[+-]?\d+")
+
+
 def bucket_of(group_id: str, buckets: int) -> int:
+    """The bucket of `group_id` among `buckets`, as Artemis computes it: the number of
+    a `_AMQ_GROUP_BUCKET_INT_KEY_<n>` id when `<n>` is an int32 Java would parse,
+    else the id's hash."""
     if group_id.startswith(BUCKET_KEY_PREFIX):
-        try:
-            n = int(group_id[len(BUCKET_KEY_PREFIX) :])
-        except ValueError:
-            pass
-        else:
+        digits = group_id[len(BUCKET_KEY_PREFIX) :]
+        if _JAVA_INT.fullmatch(digits):
+            n = int(digits)
             if -(1 << 31) <= n < (1 << 31):
                 return (n & 0x7FFFFFFF) % buckets
     return (artemis_hash(group_id) & 0x7FFFFFFF) % buckets

@@ -442,3 +442,21 @@ def test_parked_messages_are_served_before_newer_ones_when_credit_returns() -> N
     h.credit(c1, 10)
     assert c1.labels == ["G1", "G2", "G3", "u1", "H1"]
     assert c2.labels == []
+
+
+@pytest.mark.parametrize("digits", [" 5", "5 ", "1_0", "5\n", "", "+", "2147483648"])
+def test_bucket_number_keys_are_read_as_java_parses_them(digits: str) -> None:
+    """Artemis reads `_AMQ_GROUP_BUCKET_INT_KEY_<n>` with Integer.parseInt: whitespace,
+    underscores, a bare sign or an int32 overflow make it an ordinary id, hashed as
+    a whole (Python's int() accepted " 5" and "1_0": 5 where Java gives 275 of 1024)."""
+    from amqbroker.core.groups import artemis_hash, bucket_of
+
+    gid = BUCKET_KEY + digits
+    assert bucket_of(gid, 1024) == (artemis_hash(gid) & 0x7FFFFFFF) % 1024
+
+
+@pytest.mark.parametrize(("digits", "n"), [("+7", 7), ("0012", 12), ("-1", 0x7FFFFFFF)])
+def test_bucket_number_keys_java_accepts(digits: str, n: int) -> None:
+    from amqbroker.core.groups import bucket_of
+
+    assert bucket_of(BUCKET_KEY + digits, 1024) == n % 1024

@@ -181,6 +181,23 @@ async def restart_and_drain(
 # ----------------------------------------------------------- shutdown during a commit
 
 
+async def commit_held(
+    app: BrokerApp, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Client, Scenario, WriteGate]:
+    """A client with the scenario prepared and its commit sent, held in the store
+    writer's worker thread while the commit's batch is being written."""
+    c = await Client.connect(app.listening[0][1], nursery=nursery)
+    sc = Scenario(c)
+    await sc.prepare()
+    await store_idle(app)
+    gate = WriteGate(journal(app), monkeypatch)
+    gate.arm()
+    await sc.commit_nowait()
+    with trio.fail_after(10):
+        await gate.entered.wait()
+    return c, sc, gate
+
+
 async def test_graceful_shutdown_during_a_commit_answers_it_and_keeps_it(
     stoppable: StoppableFactory,
     nursery: trio.Nursery,
@@ -192,15 +209,7 @@ async def test_graceful_shutdown_during_a_commit_answers_it_and_keeps_it(
     closes the connection, and after a restart the commit is there, whole."""
     caplog.set_level(logging.WARNING)
     app, done = await stoppable(store_sync=True)
-    c = await Client.connect(app.listening[0][1], nursery=nursery)
-    sc = Scenario(c)
-    await sc.prepare()
-    await store_idle(app)
-    gate = WriteGate(journal(app), monkeypatch)
-    gate.arm()
-    await sc.commit_nowait()
-    with trio.fail_after(10):
-        await gate.entered.wait()
+    c, sc, gate = await commit_held(app, nursery, monkeypatch)
     q = queue(app)
     # applied in memory: m1, m2 acked; m3, m4 in flight; t1, t2 queued
     assert (q.count, q.inflight) == (4, 2)
@@ -237,15 +246,7 @@ async def test_cancelled_broker_during_a_commit_leaves_the_store_whole(
     c: Client | None = None
     async with trio.open_nursery() as inner:
         await inner.start(functools.partial(app.run))
-        c = await Client.connect(app.listening[0][1], nursery=nursery)
-        sc = Scenario(c)
-        await sc.prepare()
-        await store_idle(app)
-        gate = WriteGate(journal(app), monkeypatch)
-        gate.arm()
-        await sc.commit_nowait()
-        with trio.fail_after(10):
-            await gate.entered.wait()
+        c, sc, gate = await commit_held(app, nursery, monkeypatch)
         inner.cancel_scope.cancel()
         gate.release()  # before the nursery waits for app.run to unwind
     assert app.journal is None  # closed in run's finally
@@ -277,15 +278,7 @@ async def test_connection_dropped_while_the_commit_waits_for_the_store(
     restart."""
     caplog.set_level(logging.WARNING)
     app, done = await stoppable(store_sync=True)
-    c = await Client.connect(app.listening[0][1], nursery=nursery)
-    sc = Scenario(c)
-    await sc.prepare()
-    await store_idle(app)
-    gate = WriteGate(journal(app), monkeypatch)
-    gate.arm()
-    await sc.commit_nowait()
-    with trio.fail_after(10):
-        await gate.entered.wait()
+    c, sc, gate = await commit_held(app, nursery, monkeypatch)
     c.abort()
     q = queue(app)
     await wait_until(lambda: q.consumer_count == 0)

@@ -11,14 +11,15 @@ correlation-id), an application-properties map and an amqp-value body of plain v
 
 * `encode` writes what `proton.Message` would carry for the same fields (a reader sees
   the same message; the bytes may differ in width choices, e.g. map8 for a small map),
-  and raises `Unsupported` for a value it does not encode (`proton.Array`, decimals):
-  callers then encode with proton.
+  and raises `Unsupported` for a value it does not encode (`proton.Array`, decimals),
+  or, with ``proton_fallback=True``, lets `proton.Message` encode that message.
 * `decode` reads any valid message, returning the four properties fields, the
   application properties and the body as `proton.Message` would (symbols as
   `proton.symbol`, ulongs as `proton.ulong`, ...), and raises `Unsupported` for what
-  it does not decode (arrays, decimals, amqp-sequence or several data sections):
-  callers then decode with proton. Malformed bytes raise `Unsupported` too, so that
-  proton's own error is the one reported.
+  it does not decode (arrays, decimals, amqp-sequence or several data sections) and
+  for malformed bytes; `decode_any` then hands the bytes to `proton.Message`, so a
+  message this codec refuses reads exactly as it did before it existed (proton reads
+  some malformed bytes, e.g. a truncated body, as an empty one).
 
 Invariants: ``decode(encode(...))`` returns the values given; `decode` never returns
 for bytes proton would reject.

@@ -96,8 +96,19 @@ class ClusterManagement:
                     None,
                 )
                 return
-            if body.get("stale") or not self._propose_soon(body, respond):
-                started = self.tasks.spawn(self._answer_proposal, body, respond)
+            try:
+                key, node, queue = str(body["key"]), str(body["node"]), str(body["queue"])
+                stale = [str(x) for x in body["stale"][:2]] if body.get("stale") else None
+            except (KeyError, TypeError):
+                respond(400, "groupingPropose needs a map body with key, node and queue", None)
+                self.tasks.flush()
+                return
+            # the usual case needs no task: answered at once for a decided key, else by
+            # the arbiter's committer when the decision is durable (`propose_soon`)
+            if stale is not None or not self.arbiter.propose_soon(
+                key, node, queue, lambda b, accepted: self._answer(respond, b, accepted)
+            ):
+                started = self.tasks.spawn(self._answer_proposal, key, node, queue, stale, respond)
                 assert started
         elif op == "groupingUnpropose":
             epoch = int(body.get("epoch", 0))
@@ -166,28 +177,16 @@ class ClusterManagement:
             )
         return None
 
-    def _propose_soon(self, body: dict[str, Any], respond: Respond) -> bool:
-        """Answer a proposal without a task (the usual case: no stale binding to remove
-        first): at once for a decided key, else from the arbiter's committer when the
-        decision is durable. False: take the task path (`_answer_proposal`)."""
-        try:
-            key, node, queue = str(body["key"]), str(body["node"]), str(body["queue"])
-        except (KeyError, TypeError):
-            return False  # the task path answers 400
-
-        def answer(b: Binding, accepted: bool) -> None:
-            if b.failed:
-                if b.error is not None:
-                    respond(500, f"the grouping decision failed: {b.error}", None)
-                else:
-                    respond(
-                        503, f"this node is no longer the arbiter; ask {self.role.leader_id}", None
-                    )
+    def _answer(self, respond: Respond, b: Binding, accepted: bool) -> None:
+        """Answer a proposal with its decided binding `b`."""
+        if b.failed:
+            if b.error is not None:
+                respond(500, f"the grouping decision failed: {b.error}", None)
             else:
-                respond(200, "OK", self._decision_body(b, accepted))
-            self.tasks.flush()
-
-        return self.arbiter.propose_soon(key, node, queue, answer)
+                respond(503, f"this node is no longer the arbiter; ask {self.role.leader_id}", None)
+        else:
+            respond(200, "OK", self._decision_body(b, accepted))
+        self.tasks.flush()
 
     def _decision_body(self, b: Binding, accepted: bool) -> dict[str, Any]:
         return {
@@ -199,23 +198,20 @@ class ClusterManagement:
             "accepted": accepted,
         }
 
-    async def _answer_proposal(self, body: dict[str, Any], respond: Respond) -> None:
-        try:
-            key, node, queue = str(body["key"]), str(body["node"]), str(body["queue"])
-            stale = [str(x) for x in body["stale"][:2]] if body.get("stale") else None
-        except (KeyError, TypeError):
-            respond(400, "groupingPropose needs a map body with key, node and queue", None)
-            self.tasks.flush()
-            return
+    async def _answer_proposal(
+        self, key: str, node: str, queue: str, stale: list[str] | None, respond: Respond
+    ) -> None:
+        """The task path: a proposal that first force-removes a stale binding (or
+        arrived while this node stopped leading)."""
         try:
             if stale:
                 await self.routing.force_remove(key, *stale)
             b, accepted = await self.arbiter.propose(key, node, queue)
         except NotArbiter:
             respond(503, f"this node is no longer the arbiter; ask {self.role.leader_id}", None)
+            self.tasks.flush()
         else:
-            respond(200, "OK", self._decision_body(b, accepted))
-        self.tasks.flush()
+            self._answer(respond, b, accepted)
 
     def bindings(self) -> list[dict[str, Any]]:
         now = trio.current_time()

@@ -150,6 +150,8 @@ class Routing:
         self.grouping = settings.cluster_grouping
         self.timeout = settings.grouping_timeout / 1000.0
         self.group_timeout = settings.grouping_group_timeout / 1000.0
+        #: answer a grouped message's producer once its owner node stored it (7.11)
+        self.accept_after_forward = settings.cluster_accept_after_forward
         self._seq = itertools.count(1)
         self._rr = itertools.count()
         self._pending: dict[str, _Waiting] = {}
@@ -197,7 +199,7 @@ class Routing:
         actions = ON_ROUTE[state].actions  # = step(state, Event.ROUTE).actions
         if actions[0] is _DELIVER:
             assert node is not None
-            return self.deliver_to(node, a, e)
+            return self.deliver_to(node, a, e, done)
         if pend is not None:  # QUEUE: behind the decision under way
             pend.append((a, e, done))
             return PENDING
@@ -243,8 +245,22 @@ class Routing:
             node, qname = b.node, b.queue
         return State.BOUND if self._unroutable(node, qname) is None else State.STALE
 
-    def deliver_to(self, node: str, a: Address, e: Entry, *, late: bool = False) -> int:
-        """Route `e` to `a`'s instance on `node`: here, or wrapped onto its bridge."""
+    def deliver_to(
+        self,
+        node: str,
+        a: Address,
+        e: Entry,
+        done: Callable[[Any], None] | None = None,
+        *,
+        late: bool = False,
+    ) -> int:
+        """Route `e` to `a`'s instance on `node`: here, or wrapped onto its bridge.
+
+        With `done` (a grouped message's producer transfer) and
+        `cluster_accept_after_forward`, a message for a peer whose link is up returns
+        PENDING and `done` is called when the peer accepts it (or, the link lost, as
+        stored here): the producer is answered only once the owner has the message, so
+        none it was told accepted can be stranded in this node's bridge (GROUPING 7.11)."""
         if node == self.node_id:
             return self.broker.route(a, e)
         p = self.peers.get(node)
@@ -262,7 +278,11 @@ class Routing:
             if late:  # a stranded message leaves its queue here: delivered late
                 dlog.event(dl.LATE, a.queues[0].name, e)
             dlog.event(dl.FORWARDED, f"{node}/{a.queues[0].name}", e)
-        return self.broker.route(p.bridge, fe, check_full=False)
+        res = self.broker.route(p.bridge, fe, check_full=False)
+        if done is not None and p.ready and self.accept_after_forward:
+            p.awaiting[data] = done
+            return PENDING
+        return res
 
     def _unroutable(self, node: str, qname: str) -> str | None:
         """Why this node cannot route to the queue instance `qname` on `node`, or None."""
@@ -349,10 +369,11 @@ class Routing:
                             "again, and check that the arbiter node is running and reachable"
                         )
                 else:
-                    res = self.deliver_to(node, a, e)
+                    res = self.deliver_to(node, a, e, done)
             except BrokerError as exc:
                 res = exc
-            done(res)
+            if res != PENDING:
+                done(res)
 
     async def _decide_node(
         self, key: str, candidate: str, qname: str, stale: tuple[str, str] | None

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from amqbroker.core.address import ANYCAST, Address
+from amqbroker.core.broker import ROUTED, ROUTED_SYNC
 from amqbroker.core.consumer import Consumer
 from amqbroker.core.entry import Entry
 from amqbroker.net.driver import Hub
@@ -71,15 +72,23 @@ BRIDGE_PREFIX = "$cluster.bridge."
 class BridgeConsumer(Consumer):
     """The consumer of a bridge queue: the outbound link to the peer."""
 
-    __slots__ = ("flush", "sender", "unsettled")
+    __slots__ = ("awaiting", "flush", "sender", "unsettled")
     counts_attempts = False
 
-    def __init__(self, peer_id: str, sender: PeerSender, flush: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        peer_id: str,
+        sender: PeerSender,
+        flush: Callable[[], None],
+        awaiting: dict[bytes, Callable[[Any], None]],
+    ) -> None:
         super().__init__(f"$cluster.bridge->{peer_id}")
         self.sender = sender
         self.flush = flush
         #: sent, not yet settled by the peer, in sending order
         self.unsettled: dict[int, Entry] = {}
+        #: the peer's `Peer.awaiting`: producers answered when the peer accepts
+        self.awaiting = awaiting
 
     def deliver(self, entry: Entry, first: bool) -> None:
         q = self.queue
@@ -90,9 +99,18 @@ class BridgeConsumer(Consumer):
                 return  # link gone: the queue took the message back already
             if o == "lost" or self.unsettled.pop(id(entry), None) is None:
                 return  # lost: returned to the queue by the link's removal
+            awaiting = self.awaiting
             if o == "accepted":
                 q.ack(self, entry)
+                if awaiting:
+                    answer = awaiting.pop(entry.data, None)
+                    if answer is not None:
+                        answer(ROUTED)  # the owner has it: the producer may go on
             elif o == "rejected":
+                if awaiting:
+                    answer = awaiting.pop(entry.data, None)
+                    if answer is not None:
+                        answer(ROUTED_SYNC)  # kept here: dead-lettered below
                 log.warning(
                     "peer refused a forwarded message (%s); it goes to the dead letter "
                     "address of %s, if any",
@@ -135,6 +153,10 @@ class Peer:
     grouping: str = ""
     announced_at: float = 0.0
     forwarded: int = 0
+    #: wrapped message bytes -> the completion of its producer's transfer, answered
+    #: when this peer accepts it (`cluster_accept_after_forward`), or when the link
+    #: drops (then as stored here)
+    awaiting: dict[bytes, Callable[[Any], None]] = field(default_factory=dict)
 
 
 class Releaser(Protocol):
@@ -261,7 +283,7 @@ class Topology:
                 if b.node == p.node_id:
                     b.last_used = now
         log.info("cluster link to %s (%s:%d) is up", p.node_id, p.host, p.port)
-        c = BridgeConsumer(p.node_id, p.inbound, self.tasks.flush)
+        c = BridgeConsumer(p.node_id, p.inbound, self.tasks.flush, p.awaiting)
         p.consumer = c
         p.inbound.on_credit = c.refresh_credit
         p.bridge.queues[0].add_consumer(c)
@@ -281,6 +303,7 @@ class Topology:
             p.down_since = trio.current_time()
         if self.replicator is not None:
             self.replicator.link_down(p.node_id)
+        self.answer_awaiting(p)
         c = p.consumer
         p.consumer = None
         if c is not None and c.queue is not None:
@@ -294,6 +317,17 @@ class Topology:
                 p.port,
                 err or "connection lost",
             )
+
+    @staticmethod
+    def answer_awaiting(p: Peer) -> None:
+        """The link to `p` is gone: the producers waiting for it to accept their
+        messages are answered as for a message stored here (their copies stay in the
+        bridge queue, sent again when the link is back)."""
+        if p.awaiting:
+            answers = list(p.awaiting.values())
+            p.awaiting.clear()
+            for answer in answers:
+                answer(ROUTED_SYNC)
 
     def request(
         self,

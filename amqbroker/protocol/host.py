@@ -121,10 +121,13 @@ class SyncTracker:
         #: number of the store batch that will hold records appended now
         self.ticket = ticket
         self.waiters: set[SyncWaiter] = set()
+        #: the last store batch on disk
+        self.synced_no = -1
 
     def synced(self, batch_no: int) -> None:
         """Store batch `batch_no` is on disk: accept every waiter's deliveries up to it
         (a closed link's are only dropped); a waiter with none left stops waiting."""
+        self.synced_no = batch_no
         for w in list(self.waiters):
             waiting = w.waiting
             n = 0

@@ -506,7 +506,12 @@ class ProducerLink:
                 if not self.conn.dirty:
                     self.conn.mark_dirty()
                 return
-            self._settle_routed(d, False, res == ROUTED_SYNC)
+            sync = self.sync
+            # answered late (e.g. a forwarded message whose link dropped): its batch
+            # may be on disk already, and no later batch may come to say so
+            self._settle_routed(
+                d, False, res == ROUTED_SYNC and (sync is None or sync.ticket() > sync.synced_no)
+            )
             if not self.conn.dirty:
                 self.conn.mark_dirty()
 

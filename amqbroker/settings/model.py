@@ -153,6 +153,7 @@ class Settings(BaseSettings):
     cluster_reconnect_max: ConfigFloat = Field(default=5.0, gt=0)
     cluster_node_timeout: ConfigFloat = Field(default=5.0, gt=0)
     cluster_node_loss_policy: Literal["wait", "move"] = "wait"
+    cluster_accept_after_forward: bool = True
     cluster_topology_period: ConfigFloat = Field(default=0.2, gt=0)
     cluster_duplicate_window: ConfigInt = Field(default=100_000, ge=1)
     cluster_grouping: Literal["", "LOCAL", "REMOTE"] = ""

@@ -189,12 +189,15 @@ async def mgmt(c: Client, operation: str, typ: str, body: Any = None) -> Any:
 
 class TcpProxy:
     """A TCP proxy on 127.0.0.1 that the test can cut (drop every connection and
-    refuse new ones) and restore."""
+    refuse new ones) and restore, or stall (hold every byte, connections kept open, as
+    a congested or hung link does) and resume."""
 
     def __init__(self, target_port: int) -> None:
         self.target = target_port
         self.port = free_port()
         self.enabled = True
+        self._flowing = trio.Event()
+        self._flowing.set()
         self._scopes: list[trio.CancelScope] = []
         self.connections = 0
 
@@ -224,10 +227,12 @@ class TcpProxy:
                 n.start_soon(self._pipe, server, client, n.cancel_scope)
         self._scopes.remove(scope)
 
-    @staticmethod
-    async def _pipe(a: trio.SocketStream, b: trio.SocketStream, scope: trio.CancelScope) -> None:
+    async def _pipe(
+        self, a: trio.SocketStream, b: trio.SocketStream, scope: trio.CancelScope
+    ) -> None:
         try:
             async for chunk in a:
+                await self._flowing.wait()
                 await b.send_all(chunk)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
@@ -240,3 +245,10 @@ class TcpProxy:
 
     def restore(self) -> None:
         self.enabled = True
+
+    def stall(self) -> None:
+        if self._flowing.is_set():
+            self._flowing = trio.Event()
+
+    def resume(self) -> None:
+        self._flowing.set()

@@ -20,9 +20,13 @@ after the restart: such repeats are not first deliveries); during the outage the
 arbiter's `clusterStatus` reports the groups as waiting for the lost node, and its
 bindings do not change.
 
-Producers send through the surviving nodes only: a message accepted by an entry node
-that then dies, and not yet forwarded, waits in that node's bridge until it is back
-(GROUPING 7.11), so a producer that moves to another entry node can overtake it.
+Two producers send through the surviving nodes; a third sends through the victim and,
+when it dies, reconnects to a survivor and sends again what the victim had not
+answered, as a failover client does. With `cluster_accept_after_forward` (the default)
+the victim answers a message of a group owned elsewhere only once the owner has it, so
+none of that producer's accepted messages can wait in the dead node's bridge while its
+newer ones overtake them (GROUPING 7.11); its unanswered ones are sent twice (at least
+once).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import pytest
 import trio
 from proton import Delivery, Message
 
-from tests.client import ClientError
+from tests.client import Client, ClientError, Sender
 from tests.cluster.cluster_helpers import Cluster, Session, TcpProxy, mgmt, running_cluster, zk_env
 from tests.cluster.test_failover import start_elected, wait_status
 from tests.cluster.zk_harness import ZooKeeperServer
@@ -57,6 +61,15 @@ async def bindings(cluster: Cluster, node: str) -> dict[str, dict[str, Any]]:
     async with await cluster.connect(node) as c:
         rows = await mgmt(c, "groupingBindings", "org.amqbroker.grouping")
     return {str(b["key"]).rsplit(".", 1)[0]: dict(b) for b in rows}
+
+
+async def send_round(c: Client, snd: Sender, msgs: list[Message], ds: list[Delivery]) -> None:
+    """Send `msgs` and wait for their outcomes; `ds` holds the deliveries sent so far
+    when the connection is lost midway."""
+    await c._wait(lambda: snd.credit >= len(msgs), WAIT)
+    ds.extend(snd.send_nowait(m) for m in msgs)
+    await c._flush()
+    await c._wait(lambda: all(d.settled or d.remote_state for d in ds), WAIT)
 
 
 async def run_node_loss(
@@ -84,10 +97,11 @@ async def run_node_loss(
         await nursery.start(s.run, cluster)
         sessions.append(s)
     await cluster.wait_announced("orders", dict.fromkeys(consumers, 1))
-    accepted: dict[str, list[str]] = {n: [] for n in producers}
+    accepted: dict[str, list[str]] = {n: [] for n in (*producers, victim)}
     refused: list[tuple[str, Any]] = []
     round_done = dict.fromkeys(producers, -1)
     first_round = trio.Event()
+    moved = trio.Event()
 
     async def produce(node: str) -> None:
         async with await cluster.connect(node) as c:
@@ -106,10 +120,42 @@ async def run_node_loss(
                 first_round.set()
                 await trio.sleep(PACE)
 
+    async def produce_moving() -> None:
+        """The victim's own producer: when its node dies it reconnects to a survivor
+        and sends again, in order, what the victim had not answered `accepted`, then
+        goes on (GROUPING 7.11: it must not overtake its own messages)."""
+        c = await cluster.connect(victim)
+        snd = await c.sender("orders")
+        await first_round.wait()
+        for k in range(rounds):
+            msgs = [Message(body=f"{g}:{k}:{victim}", group_id=g, durable=True) for g in GROUPS]
+            ds: list[Delivery] = []
+            try:
+                await send_round(c, snd, msgs, ds)
+            except ClientError:  # the victim died: fail over
+                assert not moved.is_set()
+                moved.set()
+                msgs = [
+                    m
+                    for i, m in enumerate(msgs)
+                    if i >= len(ds) or ds[i].remote_state != Delivery.ACCEPTED
+                ]
+                c = await cluster.connect(producers[0])
+                snd = await c.sender("orders")
+                ds = await snd.send_many(msgs, timeout=WAIT)
+            for m, d in zip(msgs, ds, strict=True):
+                if d.remote_state == Delivery.ACCEPTED:
+                    accepted[victim].append(str(m.body))
+                else:
+                    refused.append((str(m.body), d.remote_state))
+            await trio.sleep(PACE)
+        c.abort()
+
     waiting: dict[str, Any] = {}
     async with trio.open_nursery() as prod:
         for n in producers:
             prod.start_soon(produce, n)
+        prod.start_soon(produce_moving)
         with trio.fail_after(WAIT):
             while True:  # polled: the producers' progress, not an event
                 if min(round_done.values()) >= KILL_AT:
@@ -155,8 +201,9 @@ async def run_node_loss(
         sessions.append(s2)
     assert not refused, refused[:5]
 
+    assert moved.is_set(), "the victim's producer never had to move"
     want = {b for v in accepted.values() for b in v}
-    assert len(want) == len(producers) * rounds * len(GROUPS)
+    assert len(want) == (len(producers) + 1) * rounds * len(GROUPS)
 
     def received() -> set[str]:
         return {b for s in sessions for b in s.bodies}

@@ -1,0 +1,145 @@
+"""A producer whose entry node dies goes on through another node and never overtakes its
+own earlier messages (issue 20, GROUPING 7.11).
+
+Three real broker processes: the groups are bound to node3 (the only consumer); the
+producer enters through node2, whose link to node3 goes through a proxy. The proxy
+stalls the link (bytes held, connections open: a congested or hung link), the producer
+sends a few more rounds, node2 is SIGKILLed, the producer reconnects to node1 and sends
+again, in order, every message node2 had not answered `accepted`, then the rest. node2
+is restarted later and forwards what its bridge kept.
+
+With `cluster_accept_after_forward` (the default) node2 answers a grouped message only
+once node3 has it, so nothing the producer was told accepted is left in node2's bridge:
+first deliveries at node3 are in order per group, and node2's copies of the unanswered
+messages arrive later as repeats (at least once). With it off, node2 answers once its
+own bridge holds them, the producer moves on, and the messages it kept arrive after
+newer ones: the test sees that order broken, which shows that it can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from proton import Delivery, Message
+
+from tests.client import ClientError, wait_until
+from tests.cluster.cluster_helpers import Cluster, Session, TcpProxy
+
+pytestmark = pytest.mark.timeout(120)
+
+GROUPS = [f"g{i}" for i in range(6)]
+ROUNDS = 30
+STALL_AT = 8  # rounds answered before the stall
+STALLED = 4  # rounds sent into the stalled link before node2 dies
+WAIT = 30.0
+
+
+def body(g: str, k: int) -> str:
+    return f"{g}:{k}"
+
+
+async def peer_row(cluster: Cluster, node: str, peer: str) -> dict[str, object]:
+    st = await cluster.status(node)
+    return next(p for p in st["peers"] if p["node"] == peer)
+
+
+async def run(
+    cluster: Cluster, nursery: trio.Nursery, env: dict[str, str] | None = None
+) -> tuple[Session, int]:
+    """The scenario of the module docstring: the consumer's session and how many
+    messages node2 had not answered when it died."""
+    cluster.extra_env.update(env or {})
+    proxy = TcpProxy(cluster.ports["node3"])
+    await nursery.start(proxy.run)
+    cluster.peer_override[("node2", "node3")] = proxy.port
+    await cluster.start()
+    await cluster.wait_linked()
+    consumer = Session("node3")
+    await nursery.start(consumer.run, cluster)
+    await cluster.wait_announced("orders", {"node3": 1})
+
+    todo = [body(g, k) for k in range(ROUNDS) for g in GROUPS]
+    c = await cluster.connect("node2")
+    snd = await c.sender("orders")
+    first = [Message(body=b, group_id=b.split(":")[0], durable=True) for b in todo[: STALL_AT * 6]]
+    ds = await snd.send_many(first, timeout=WAIT)
+    assert all(d.remote_state == Delivery.ACCEPTED for d in ds)
+    del todo[: len(first)]
+
+    proxy.stall()
+    stalled = todo[: STALLED * len(GROUPS)]
+    del todo[: len(stalled)]
+    sent = [
+        (b, snd.send_nowait(Message(body=b, group_id=b.split(":")[0], durable=True)))
+        for b in stalled
+    ]
+    await c._flush()
+    forwarded = int((await peer_row(cluster, "node2", "node3"))["forwarded"])
+    with trio.fail_after(WAIT):  # node2 has routed every stalled message to its bridge
+        while forwarded < len(first) + len(stalled):
+            await trio.sleep(0.05)
+            forwarded = int((await peer_row(cluster, "node2", "node3"))["forwarded"])
+    await trio.sleep(0.3)  # what node2 answers on its own (its store) has reached us
+    cluster.proc["node2"].kill()
+    await wait_until(lambda: c._dead, WAIT)
+    unanswered = [b for b, d in sent if d.remote_state != Delivery.ACCEPTED]
+    # the producer fails over to node1: first what node2 did not accept, in order
+    c1 = await cluster.connect("node1")
+    s1 = await c1.sender("orders")
+    rest = [Message(body=b, group_id=b.split(":")[0], durable=True) for b in unanswered + todo]
+    ds = await s1.send_many(rest, timeout=WAIT)
+    assert all(d.remote_state == Delivery.ACCEPTED for d in ds)
+
+    await cluster.start_node("node2")
+    proxy.resume()
+    want = {body(g, k) for k in range(ROUNDS) for g in GROUPS}
+    await wait_until(lambda: want <= set(consumer.bodies), WAIT)
+    with trio.fail_after(WAIT):  # node2's bridge has given node3 all it kept
+        while True:
+            try:
+                row = await peer_row(cluster, "node2", "node3")
+            except (ClientError, OSError, StopIteration):
+                row = {}
+            if row.get("link") == "up" and row.get("bridgeDepth") == 0:
+                break
+            await trio.sleep(0.05)
+    await trio.sleep(0.3)
+    for cl in (c, c1):
+        cl.abort()
+    return consumer, len(unanswered)
+
+
+def order_violations(bodies: list[str]) -> list[str]:
+    last: dict[str, int] = {}
+    seen: set[str] = set()
+    bad = []
+    for b in bodies:
+        if b in seen:
+            continue  # a repeat, not a first delivery
+        seen.add(b)
+        g, k = b.split(":")
+        if last.get(g, -1) > int(k):
+            bad.append(f"{g}: seq {k} after {last[g]}")
+        last[g] = max(last.get(g, -1), int(k))
+    return bad
+
+
+async def test_a_producer_moving_entry_node_keeps_its_order(
+    cluster: Cluster, nursery: trio.Nursery
+) -> None:
+    consumer, unanswered = await run(cluster, nursery)
+    assert order_violations(consumer.bodies) == []
+    # node2 could not answer the stalled messages: the producer sent them again
+    assert unanswered == STALLED * len(GROUPS), unanswered
+    repeats = len(consumer.bodies) - len(set(consumer.bodies))
+    assert repeats <= unanswered
+
+
+async def test_without_accept_after_forward_the_moved_producer_overtakes_itself(
+    cluster: Cluster, nursery: trio.Nursery
+) -> None:
+    consumer, unanswered = await run(
+        cluster, nursery, {"AMQBROKER_CLUSTER_ACCEPT_AFTER_FORWARD": "false"}
+    )
+    assert unanswered == 0  # answered from node2's own bridge
+    assert order_violations(consumer.bodies), "the kept messages should arrive late"

@@ -13,7 +13,8 @@ The parts, each in its own module:
 - `management`: the `$management` handlers, `status()`, `bindings()` and the
   replication glue (`ClusterManagement`).
 
-`ClusterNode` builds them, connects them through small Protocols (`topology.Tasks`,
+`ClusterNode` builds them (each a `topology.NodePart`, given the same
+`topology.NodeContext`), connects them through small Protocols (`topology.Tasks`,
 `topology.Releaser`, `routing.Links`, `routing.Rescuer`, `node_loss.Decider`) and runs
 their loops in one nursery: the outbound drivers, the topology announcements, the node
 monitor, the reaper, the arbiter's group commit, the election and the replica store.

@@ -292,15 +292,25 @@ def queue_update(
     click.echo(f"queue {name!r} updated: {changed}")
 
 
-@queue.command("delete")
-@click.argument("name")
-@click.option("--force", is_flag=True, help="also when it has consumers (they are detached)")
-@connection_options
-def queue_delete(name: str, force: bool, url: str, user: str | None, password: str | None) -> None:
-    """Delete a queue and its messages."""
-    with talking(url), client(url, user, password) as c:
-        c.call("DELETE", "queue", name, force=force or None)
-    click.echo(f"deleted queue {name!r}")
+def _delete_command(group: click.Group, entity: str, force_help: str, doc: str) -> None:
+    """`queue delete` and `address delete`: DELETE, with force=true when --force."""
+
+    @group.command("delete", help=doc)
+    @click.argument("name")
+    @click.option("--force", is_flag=True, help=force_help)
+    @connection_options
+    def command(name: str, force: bool, url: str, user: str | None, password: str | None) -> None:
+        with talking(url), client(url, user, password) as c:
+            c.call("DELETE", entity, name, force=force or None)
+        click.echo(f"deleted {entity} {name!r}")
+
+
+_delete_command(
+    queue,
+    "queue",
+    "also when it has consumers (they are detached)",
+    "Delete a queue and its messages.",
+)
 
 
 @queue.command("purge")
@@ -313,24 +323,21 @@ def queue_purge(name: str, url: str, user: str | None, password: str | None) -> 
     click.echo(f"queue {name!r}: {removed} message(s) removed")
 
 
-@queue.command("pause")
-@click.argument("name")
-@connection_options
-def queue_pause(name: str, url: str, user: str | None, password: str | None) -> None:
-    """Stop delivering from a queue (messages keep arriving)."""
-    with talking(url), client(url, user, password) as c:
-        c.call("pause", "queue", name)
-    click.echo(f"queue {name!r} paused")
+def _switch_command(verb: str, done: str, doc: str) -> None:
+    """`queue pause` and `queue resume`: the management operation of that name, which
+    answers nothing to show."""
+
+    @queue.command(verb, help=doc)
+    @click.argument("name")
+    @connection_options
+    def command(name: str, url: str, user: str | None, password: str | None) -> None:
+        with talking(url), client(url, user, password) as c:
+            c.call(verb, "queue", name)
+        click.echo(f"queue {name!r} {done}")
 
 
-@queue.command("resume")
-@click.argument("name")
-@connection_options
-def queue_resume(name: str, url: str, user: str | None, password: str | None) -> None:
-    """Deliver from a paused queue again."""
-    with talking(url), client(url, user, password) as c:
-        c.call("resume", "queue", name)
-    click.echo(f"queue {name!r} resumed")
+_switch_command("pause", "paused", "Stop delivering from a queue (messages keep arriving).")
+_switch_command("resume", "resumed", "Deliver from a paused queue again.")
 
 
 @queue.command("move")
@@ -415,17 +422,9 @@ def address_create(
     click.echo(f"created address {name!r} ({attrs['routingType']})")
 
 
-@address.command("delete")
-@click.argument("name")
-@click.option("--force", is_flag=True, help="also when its queues have consumers")
-@connection_options
-def address_delete(
-    name: str, force: bool, url: str, user: str | None, password: str | None
-) -> None:
-    """Delete an address and its queues."""
-    with talking(url), client(url, user, password) as c:
-        c.call("DELETE", "address", name, force=force or None)
-    click.echo(f"deleted address {name!r}")
+_delete_command(
+    address, "address", "also when its queues have consumers", "Delete an address and its queues."
+)
 
 
 ADDRESS_COLUMNS = (

@@ -60,67 +60,59 @@ def connection_options(f: F) -> F:
     from amqbroker.protocol.client_auth import MECHANISMS
     from amqbroker.tools.management_client import DEFAULT_URL
 
-    security: list[tuple[str, str, dict[str, Any]]] = [
+    security: dict[str, Any] = {"expose_value": False, "callback": _remember_security}
+    #: (flag, environment variable, click.option keywords), in the order --help lists them
+    options: list[tuple[str, str, dict[str, Any]]] = [
         (
-            "--mechanism",
-            "AMQBROKER_MECHANISM",
+            "--url",
+            "AMQBROKER_URL",
             {
-                "type": click.Choice(MECHANISMS, case_sensitive=False),
-                "help": "SASL mechanism (default: PLAIN with --user, EXTERNAL with "
-                "--cert-file, else ANONYMOUS)",
+                "default": DEFAULT_URL,
+                "show_default": True,
+                "help": "the broker (amqp://host:port, or amqps:// for TLS)",
+            },
+        ),
+        (
+            "--user",
+            "AMQBROKER_USER",
+            {"help": "user for SASL PLAIN or SCRAM-SHA-256 (default: anonymous)"},
+        ),
+        ("--password", "AMQBROKER_PASSWORD", {"help": "password for SASL PLAIN or SCRAM-SHA-256"}),
+        (
+            "--ca-file",
+            "AMQBROKER_CA_FILE",
+            {
+                **security,
+                "help": "CA certificate(s), PEM, that the broker's must chain to (amqps://; "
+                "default: the system's)",
+            },
+        ),
+        (
+            "--cert-file",
+            "AMQBROKER_CERT_FILE",
+            {
+                **security,
+                "help": "client certificate, PEM, for amqps:// (SASL EXTERNAL without --user)",
             },
         ),
         (
             "--key-file",
             "AMQBROKER_KEY_FILE",
-            {"help": "its private key, PEM, unencrypted (if not in --cert-file)"},
+            {**security, "help": "its private key, PEM, unencrypted (if not in --cert-file)"},
         ),
         (
-            "--cert-file",
-            "AMQBROKER_CERT_FILE",
-            {"help": "client certificate, PEM, for amqps:// (SASL EXTERNAL without --user)"},
-        ),
-        (
-            "--ca-file",
-            "AMQBROKER_CA_FILE",
+            "--mechanism",
+            "AMQBROKER_MECHANISM",
             {
-                "help": "CA certificate(s), PEM, that the broker's must chain to (amqps://; "
-                "default: the system's)"
+                **security,
+                "type": click.Choice(MECHANISMS, case_sensitive=False),
+                "help": "SASL mechanism (default: PLAIN with --user, EXTERNAL with "
+                "--cert-file, else ANONYMOUS)",
             },
         ),
     ]
-    for name, envvar, kw in security:
-        f = click.option(
-            name,
-            envvar=envvar,
-            show_envvar=True,
-            default=None,
-            expose_value=False,
-            callback=_remember_security,
-            **kw,
-        )(f)
-    f = click.option(
-        "--password",
-        envvar="AMQBROKER_PASSWORD",
-        show_envvar=True,
-        default=None,
-        help="password for SASL PLAIN or SCRAM-SHA-256",
-    )(f)
-    f = click.option(
-        "--user",
-        envvar="AMQBROKER_USER",
-        show_envvar=True,
-        default=None,
-        help="user for SASL PLAIN or SCRAM-SHA-256 (default: anonymous)",
-    )(f)
-    f = click.option(
-        "--url",
-        envvar="AMQBROKER_URL",
-        show_envvar=True,
-        default=DEFAULT_URL,
-        show_default=True,
-        help="the broker (amqp://host:port, or amqps:// for TLS)",
-    )(f)
+    for name, envvar, kw in reversed(options):
+        f = click.option(name, envvar=envvar, show_envvar=True, **{"default": None, **kw})(f)
     return f
 
 

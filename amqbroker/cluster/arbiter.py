@@ -184,23 +184,13 @@ class Arbiter:
         """(binding, accepted). Raises NotArbiter when not leading."""
         if not self.leading:
             raise NotArbiter(key)
-        b = self.bindings.get(key)
-        if b is not None:
-            b.last_used = self.clock()
-            await b.ready.wait()
-            if b.failed:
-                raise NotArbiter(key)
-            return b, False
-        epoch = self.epoch
-        b = Binding(key, node, queue, epoch, self.clock())
-        self.bindings[key] = b
-        self._enqueue(Decision(BIND, key, node, queue, epoch), b)
+        b, created = self._binding_for(key, node, queue)
         await b.ready.wait()
-        if b.error is not None:
+        if created and b.error is not None:
             raise b.error
         if b.failed:
             raise NotArbiter(key)
-        return b, True
+        return b, created
 
     def propose_soon(
         self, key: str, node: str, queue: str, answer: Callable[[Binding, bool], None]
@@ -213,19 +203,26 @@ class Arbiter:
         when not leading (nothing is called)."""
         if not self.leading:
             return False
-        b = self.bindings.get(key)
-        created = b is None
-        if b is None:
-            b = Binding(key, node, queue, self.epoch, self.clock())
-            self.bindings[key] = b
-            self._enqueue(Decision(BIND, key, node, queue, self.epoch), b)
-        else:
-            b.last_used = self.clock()
+        b, created = self._binding_for(key, node, queue)
         if b.ready.is_set():
             answer(b, created)
         else:
             b.on_ready.append(lambda b: answer(b, created))
         return True
+
+    def _binding_for(self, key: str, node: str, queue: str) -> tuple[Binding, bool]:
+        """`key`'s binding and whether this call made it: a standing one (decided or
+        not) is touched (`last_used`); else (node, queue) becomes a new one, whose BIND
+        decision is enqueued for the committer."""
+        b = self.bindings.get(key)
+        if b is not None:
+            b.last_used = self.clock()
+            return b, False
+        epoch = self.epoch
+        b = Binding(key, node, queue, epoch, self.clock())
+        self.bindings[key] = b
+        self._enqueue(Decision(BIND, key, node, queue, epoch), b)
+        return b, True
 
     async def remove(self, key: str) -> Binding | None:
         """Unbind (reaper, node loss, operator); persisted like a bind."""

@@ -27,49 +27,39 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from amqbroker.cluster.arbiter import Binding, NotArbiter
-from amqbroker.cluster.topology import GROUPING_TYPE, Peer, Tasks, Topology
+from amqbroker.cluster.topology import GROUPING_TYPE, NodeContext, NodePart, Peer, Topology
 from amqbroker.protocol.management import ManagementError, ManagementRequest
 from amqbroker.protocol.peer import PeerMessage
 
 if TYPE_CHECKING:
-    from amqbroker.cluster.arbiter import Arbiter, ArbiterRole
     from amqbroker.cluster.election import ZkElection
     from amqbroker.cluster.node_loss import NodeLoss
     from amqbroker.cluster.replication import ReplicaStore
     from amqbroker.cluster.routing import Routing
     from amqbroker.protocol.cluster_links import DuplicateWindow
-    from amqbroker.settings import Settings
 
 Respond = Callable[[int, str, Any], None]
 
 
-class ClusterManagement:
+class ClusterManagement(NodePart):
     """The grouping and cluster management operations, status and replication glue."""
 
     def __init__(
         self,
-        settings: Settings,
-        node_id: str,
-        role: ArbiterRole,
-        arbiter: Arbiter,
+        node: NodeContext,
         election: ZkElection | None,
         topology: Topology,
         routing: Routing,
         node_loss: NodeLoss,
         window: DuplicateWindow,
-        tasks: Tasks,
     ) -> None:
-        self.settings = settings
-        self.node_id = node_id
-        self.role = role
-        self.arbiter = arbiter
+        super().__init__(node)
         self.election = election
         self.topology = topology
         self.peers: dict[str, Peer] = topology.peers
         self.routing = routing
         self.node_loss = node_loss
         self.window = window
-        self.tasks = tasks
         #: set by the runner with cluster_zookeeper
         self.replica_store: ReplicaStore | None = None
 

@@ -13,7 +13,8 @@ The parts, each in its own module:
 - `management`: the `$management` handlers, `status()`, `bindings()` and the
   replication glue (`ClusterManagement`).
 
-`ClusterNode` builds them, connects them through small Protocols (`topology.Tasks`,
+`ClusterNode` builds them (each a `topology.NodePart`, given the same
+`topology.NodeContext`), connects them through small Protocols (`topology.Tasks`,
 `topology.Releaser`, `routing.Links`, `routing.Rescuer`, `node_loss.Decider`) and runs
 their loops in one nursery: the outbound drivers, the topology announcements, the node
 monitor, the reaper, the arbiter's group commit, the election and the replica store.
@@ -64,6 +65,7 @@ from amqbroker.cluster.topology import (
     CLUSTER_TYPE,
     GROUPING_TYPE,
     BridgeConsumer,
+    NodeContext,
     Peer,
     Topology,
 )
@@ -144,38 +146,15 @@ class ClusterNode:
         self.replica_store: ReplicaStore | None = None
         self._nursery: trio.Nursery | None = None
         self.window = DuplicateWindow(s.cluster_duplicate_window)
-        self.topology = Topology(
-            s, broker, self.node_id, self.boot, self.role, self.arbiter, None, self
-        )
+        node = NodeContext(s, broker, self.node_id, self.boot, self.role, self.arbiter, self)
+        self.topology = Topology(node, None)
         self.peers: dict[str, Peer] = self.topology.peers
-        self.routing = Routing(
-            s,
-            broker,
-            self.node_id,
-            self.boot,
-            self.role,
-            self.arbiter,
-            self.peers,
-            self.topology.gone,
-            self.topology,
-            self,
-        )
+        self.routing = Routing(node, self.peers, self.topology.gone, self.topology)
         self.topology.releaser = self.routing
-        self.node_loss = NodeLoss(
-            s, broker, self.node_id, self.role, self.arbiter, self.peers, self.routing, self
-        )
+        self.node_loss = NodeLoss(node, self.peers, self.routing)
         self.routing.rescuer = self.node_loss
         self.management = ClusterManagement(
-            s,
-            self.node_id,
-            self.role,
-            self.arbiter,
-            None,
-            self.topology,
-            self.routing,
-            self.node_loss,
-            self.window,
-            self,
+            node, None, self.topology, self.routing, self.node_loss, self.window
         )
         if s.cluster_zookeeper and self.grouping:
             self.election = zk_election(s, self.role)

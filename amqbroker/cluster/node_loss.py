@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from amqbroker.cluster.topology import NodeContext, NodePart
 from amqbroker.core import delivery_log as dl
 from amqbroker.core.accept import delivery_time, message_expiry
 from amqbroker.core.address import ANYCAST, Address
@@ -42,11 +43,8 @@ from amqbroker.protocol.peer import unwrap_forward
 from amqbroker.protocol.scanner import ScanError, scan
 
 if TYPE_CHECKING:
-    from amqbroker.cluster.arbiter import Arbiter, ArbiterRole
-    from amqbroker.cluster.topology import Peer, Tasks
-    from amqbroker.core.broker import Broker
+    from amqbroker.cluster.topology import Peer
     from amqbroker.core.queue import Queue
-    from amqbroker.settings import Settings
 
 log = logging.getLogger("amqbroker.cluster")
 
@@ -74,28 +72,14 @@ class Decider(Protocol):
     def outstanding(self) -> dict[str, Any]: ...
 
 
-class NodeLoss:
+class NodeLoss(NodePart):
     """Lost peers, recovered groups held until confirmed, consumerless release."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        broker: Broker,
-        node_id: str,
-        role: ArbiterRole,
-        arbiter: Arbiter,
-        peers: dict[str, Peer],
-        routing: Decider,
-        tasks: Tasks,
-    ) -> None:
-        self.settings = settings
-        self.broker = broker
-        self.node_id = node_id
-        self.role = role
-        self.arbiter = arbiter
+    def __init__(self, node: NodeContext, peers: dict[str, Peer], routing: Decider) -> None:
+        super().__init__(node)
         self.peers = peers
         self.routing = routing
-        self.tasks = tasks
+        settings = node.settings
         self.grouping = settings.cluster_grouping
         self.timeout = settings.grouping_timeout / 1000.0
         #: what a node unreachable for cluster_node_timeout does to its groups

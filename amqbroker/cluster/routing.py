@@ -51,7 +51,7 @@ import trio
 from amqbroker.cluster.arbiter import NotArbiter
 from amqbroker.cluster.proposals import ON_ROUTE, Action, Event, State, step
 from amqbroker.cluster.stats import LatencyHistogram
-from amqbroker.cluster.topology import GROUPING_TYPE, Peer, Tasks
+from amqbroker.cluster.topology import GROUPING_TYPE, NodeContext, NodePart, Peer
 from amqbroker.core import delivery_log as dl
 from amqbroker.core.address import ANYCAST, Address
 from amqbroker.core.broker import PENDING
@@ -60,9 +60,7 @@ from amqbroker.core.errors import BrokerError
 from amqbroker.protocol.peer import PeerMessage, wrap_forward
 
 if TYPE_CHECKING:
-    from amqbroker.cluster.arbiter import Arbiter, ArbiterRole
-    from amqbroker.core.broker import Broker
-    from amqbroker.settings import Settings
+    pass
 
 log = logging.getLogger("amqbroker.cluster")
 
@@ -119,34 +117,23 @@ class Rescuer(Protocol):
     def take_rescued(self, key: str, qname: str, node: str) -> None: ...
 
 
-class Routing:
+class Routing(NodePart):
     """The broker's `Router` hook: where each message goes, and the group bindings."""
 
     def __init__(
         self,
-        settings: Settings,
-        broker: Broker,
-        node_id: str,
-        boot: str,
-        role: ArbiterRole,
-        arbiter: Arbiter,
+        node: NodeContext,
         peers: dict[str, Peer],
         gone: dict[str, set[str]],
         links: Links,
-        tasks: Tasks,
     ) -> None:
-        self.settings = settings
-        self.broker = broker
-        self.node_id = node_id
-        self.boot = boot
-        self.role = role
-        self.arbiter = arbiter
+        super().__init__(node)
         self.peers = peers
         self._gone = gone
         self.links = links
-        self.tasks = tasks
         #: set by the runner once node loss exists
         self.rescuer: Rescuer | None = None
+        settings = node.settings
         self.grouping = settings.cluster_grouping
         self.timeout = settings.grouping_timeout / 1000.0
         self.group_timeout = settings.grouping_group_timeout / 1000.0

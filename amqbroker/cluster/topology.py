@@ -175,35 +175,48 @@ class Tasks(Protocol):
     def flush(self) -> None: ...
 
 
-class Topology:
+@dataclass(frozen=True, slots=True)
+class NodeContext:
+    """What the runner (`cluster.node.ClusterNode`) gives every part of a node alike."""
+
+    settings: Settings
+    broker: Broker
+    node_id: str
+    #: this process's boot id (a random hex string), in bridge and request ids
+    boot: str
+    role: ArbiterRole
+    arbiter: Arbiter
+    tasks: Tasks
+
+
+class NodePart:
+    """A part of a cluster node (topology, routing, node loss, management): holds the
+    `NodeContext` as its own attributes (plain attributes: routing reads them per
+    message)."""
+
+    def __init__(self, node: NodeContext) -> None:
+        self.settings = node.settings
+        self.broker = node.broker
+        self.node_id = node.node_id
+        self.boot = node.boot
+        self.role = node.role
+        self.arbiter = node.arbiter
+        self.tasks = node.tasks
+
+
+class Topology(NodePart):
     """The peers and their links: up/down, announcements, requests and answers."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        broker: Broker,
-        node_id: str,
-        boot: str,
-        role: ArbiterRole,
-        arbiter: Arbiter,
-        replicator: Replicator | None,
-        tasks: Tasks,
-    ) -> None:
-        self.settings = settings
-        self.broker = broker
-        self.node_id = node_id
-        self.boot = boot
-        self.role = role
-        self.arbiter = arbiter
+    def __init__(self, node: NodeContext, replicator: Replicator | None) -> None:
+        super().__init__(node)
         self.replicator = replicator
-        self.tasks = tasks
-        self.loss_policy = settings.cluster_node_loss_policy
+        self.loss_policy = node.settings.cluster_node_loss_policy
         #: set by the runner once routing exists
         self.releaser: Releaser | None = None
         self.peers: dict[str, Peer] = {}
-        for text in settings.cluster_peers:
+        for text in node.settings.cluster_peers:
             pid, host, port = parse_peer(text)
-            bridge = broker.create_address(BRIDGE_PREFIX + pid, ANYCAST, durable=True)
+            bridge = node.broker.create_address(BRIDGE_PREFIX + pid, ANYCAST, durable=True)
             self.peers[pid] = Peer(pid, host, port, bridge)
         self._req = itertools.count(1)
         self._waiters: dict[Any, Callable[[PeerMessage], None]] = {}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import struct
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import proton
@@ -51,8 +51,6 @@ class Message:
     address: str | None = None
     properties: dict[Any, Any] | None = None
     body: Any = None
-    #: the body was a data section (bytes) rather than an amqp-value
-    body_is_data: bool = field(default=False)
 
 
 # ----------------------------------------------------------------------- encoding
@@ -440,7 +438,6 @@ def decode(data: bytes) -> Message:
                 raise Unsupported("more than one body section")
             body_seen = True
             m.body = value
-            m.body_is_data = code == 0x75
         elif code in (0x70, 0x71, 0x72, 0x78):
             continue  # header, annotations, footer: not read here
         else:

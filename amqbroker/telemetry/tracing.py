@@ -162,19 +162,12 @@ class Tracing:
         else:
             ctx = self.propagator.extract(carrier)
         parent = trace.get_current_span(ctx).get_span_context()
-        attributes: dict[str, Any] = {
-            "messaging.destination.name": a.name,
-            "amqbroker.connection.id": link.conn.conn_id,
-            "amqbroker.link.name": link.link.name,
-        }
-        if e.group_id is not None:
-            attributes["amqbroker.group_id"] = e.group_id
         span = self.tracer.start_span(
             f"amqbroker route {a.name}",
             context=ctx,
             kind=SpanKind.CONSUMER,
             links=[Link(parent)] if parent.is_valid else None,
-            attributes=attributes,
+            attributes=_span_attributes(a.name, link, e, with_delivery_count=False),
         )
         if span.is_recording():
             out: dict[str, str] = {}
@@ -194,19 +187,27 @@ class Tracing:
             return
         q = link.queue
         qname = q.name if q is not None else ""
-        attributes: dict[str, Any] = {
-            "messaging.destination.name": qname,
-            "amqbroker.connection.id": link.conn.conn_id,
-            "amqbroker.link.name": link.link.name,
-        }
-        if e.delivery_count:
-            attributes["amqbroker.delivery_count"] = e.delivery_count
-        if e.group_id is not None:
-            attributes["amqbroker.group_id"] = e.group_id
         span = self.tracer.start_span(
             f"amqbroker dispatch {qname}",
             context=ctx,
             kind=SpanKind.PRODUCER,
-            attributes=attributes,
+            attributes=_span_attributes(qname, link, e, with_delivery_count=True),
         )
         span.end()
+
+
+def _span_attributes(
+    destination: str, link: Any, e: Entry, *, with_delivery_count: bool
+) -> dict[str, Any]:
+    """The attributes of a route or dispatch span (the delivery count, when not 0, on
+    dispatch spans only)."""
+    attributes: dict[str, Any] = {
+        "messaging.destination.name": destination,
+        "amqbroker.connection.id": link.conn.conn_id,
+        "amqbroker.link.name": link.link.name,
+    }
+    if with_delivery_count and e.delivery_count:
+        attributes["amqbroker.delivery_count"] = e.delivery_count
+    if e.group_id is not None:
+        attributes["amqbroker.group_id"] = e.group_id
+    return attributes

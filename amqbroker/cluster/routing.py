@@ -39,6 +39,7 @@ Invariants
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections import deque
@@ -53,6 +54,7 @@ from amqbroker.cluster.proposals import ON_ROUTE, Action, Event, State, step
 from amqbroker.cluster.stats import LatencyHistogram
 from amqbroker.cluster.topology import GROUPING_TYPE, NodeContext, NodePart, Peer
 from amqbroker.core import delivery_log as dl
+from amqbroker.core.accept import ENLIST
 from amqbroker.core.address import ANYCAST, Address
 from amqbroker.core.broker import PENDING
 from amqbroker.core.entry import Entry
@@ -144,6 +146,9 @@ class Routing(NodePart):
         self._pending: dict[str, _Waiting] = {}
         #: keys `hold` made wait for a decision `start_decision` starts
         self._held: set[str] = set()
+        #: key -> completions of transactional sends waiting for its decision to be
+        #: enlisted (`prepare`); answered when the decision ends
+        self._enlisting: dict[str, list[Callable[[Any], None]]] = {}
         self.outstanding: dict[str, Outstanding] = {}
         self.cache: dict[str, Cached] = {}
         self.proposals_sent = 0
@@ -166,7 +171,7 @@ class Routing(NodePart):
 
     def route(self, a: Address, e: Entry, done: Callable[[Any], None]) -> int | None:
         if a.routing != ANYCAST or len(a.queues) != 1 or a.name.startswith("$"):
-            return None
+            return None  # (`_handles`, inlined: once per message)
         qname = a.queues[0].name
         if e.group_id is None or not self.grouping:
             return self.deliver_to(self._pick(qname), a, e)
@@ -197,6 +202,51 @@ class Routing(NodePart):
         started = self.tasks.spawn(self._decide, key, self._pick(qname), qname, stale)
         assert started
         return PENDING
+
+    def _handles(self, a: Address) -> bool:
+        return a.routing == ANYCAST and len(a.queues) == 1 and not a.name.startswith("$")
+
+    def prepare(self, a: Address, e: Entry, done: Callable[[Any], None]) -> int | None:
+        """A transactional send of a grouped message, before it is enlisted: a group
+        with no decision yet is decided first (PENDING; `done(ENLIST)` or
+        `done(GroupingTimeout)` when it ends), so that at commit `route_committed`
+        finds it bound and routes it in the commit's own store batch."""
+        if not (self.grouping and self._handles(a)):
+            return None
+        qname = a.queues[0].name
+        key = f"{e.group_id}.{qname}"
+        state = self.state(key)
+        if state is _BOUND or state is _STALE:  # STALE: force-removed at commit
+            return None
+        self._enlisting.setdefault(key, []).append(done)
+        if state is _UNKNOWN:
+            self._pending[key] = deque()
+            self.tasks.spawn(self._decide, key, self._pick(qname), qname, None)
+        return PENDING
+
+    def route_committed(self, a: Address, e: Entry) -> int | None:
+        """A transactional send taking effect at commit: to its group's owner, at once
+        when the group is bound (the usual case after `prepare`); else behind a new
+        decision, in memory until it ends (a refusal then is logged: the commit was
+        answered already). None: the broker routes it (ungrouped: locally, as before)."""
+        if e.group_id is None or not (self.grouping and self._handles(a)):
+            return None
+        qname = a.queues[0].name
+        key = f"{e.group_id}.{qname}"
+        if key not in self._pending:
+            node = self._lookup(key)
+            if node is not None and self._unroutable(node, qname) is None:
+                return self.deliver_to(node, a, e)
+        return self.route(a, e, functools.partial(self._committed_late, key))
+
+    @staticmethod
+    def _committed_late(key: str, res: object) -> None:
+        if isinstance(res, BrokerError):
+            log.warning(
+                "a committed transactional message of group key %r was dropped: %s",
+                key,
+                res.description,
+            )
 
     def _lookup(self, key: str) -> str | None:
         if self.role.is_leader:
@@ -335,6 +385,13 @@ class Routing(NodePart):
                 )
             else:  # DELIVER_WAITING, FAIL_WAITING: the decision is over
                 self._release_waiting(self._pending.pop(key, deque()), node, failed, qname)
+        enlisting = self._enlisting.pop(key, None)
+        if enlisting:
+            res: Any = ENLIST
+            if node is None and self.settings.grouping_timeout_policy != "ungrouped":
+                res = GroupingTimeout(failed or f"{TIMED_OUT}: send again in a new transaction")
+            for done in enlisting:
+                done(res)
         self.tasks.flush()
 
     def _release_waiting(

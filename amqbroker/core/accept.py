@@ -12,7 +12,9 @@ call per message (`accept`), what becomes of it:
 2. the delivery log's `received` record (the target address in `queue`);
 3. a transactional send is held by its transaction (ENLIST: the caller enlists it, as
    only the protocol layer can read the txn-id off the transfer); an anycast address
-   whose queue an operator deleted gets it back first, or NotFound;
+   whose queue an operator deleted gets it back first, or NotFound; with a router, a
+   grouped one may first wait for its group's decision (PENDING, then `done(ENLIST)`),
+   and the router routes it at commit (`core.transaction`);
 4. the broker's router hook (clustered routing), unless the producer's messages were
    routed already (cluster bridges: no `done` given): it routes, or decides later
    (PENDING: it calls `done` once with the result or a BrokerError);
@@ -105,6 +107,12 @@ def accept(
     if transactional:
         if not a.queues and a.routing == ANYCAST:
             broker.anycast_queue(a)  # its queue was deleted: back, or NotFound
+        if done is not None and e.group_id is not None:
+            router = broker.router
+            if router is not None:  # its group is decided before it is enlisted
+                res = router.prepare(a, e, done)
+                if res is not None:
+                    return res
         return ENLIST
     if done is not None:
         router = broker.router

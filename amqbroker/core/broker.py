@@ -78,6 +78,18 @@ class Router(Protocol):
         self, a: Address, e: Entry, done: Callable[[int | BrokerError], None]
     ) -> int | None: ...
 
+    def prepare(
+        self, a: Address, e: Entry, done: Callable[[int | BrokerError], None]
+    ) -> int | None:
+        """A transactional send before it is enlisted: None to enlist it now, or
+        PENDING, then `done(ENLIST)` or `done(BrokerError)` once (its group decided)."""
+        ...
+
+    def route_committed(self, a: Address, e: Entry) -> int | None:
+        """A transactional send taking effect at commit: like `route`, with no one left
+        to answer (a later refusal is logged)."""
+        ...
+
 
 class Broker:
     def __init__(

@@ -193,9 +193,14 @@ class Transaction:
         # leaves no id behind, so its retry is not taken for a duplicate)
         if cur.dedup is not None and broker.is_duplicate(cur, e.data):
             return False
-        # the FAIL check was made when the message was enlisted: the commit routes all
+        # the FAIL check was made when the message was enlisted: the commit routes all;
+        # the router first (clustered grouping: the group's owner node takes it)
         try:
-            return broker.route(cur, e, check_full=False) == ROUTED_SYNC
+            router = broker.router
+            res = router.route_committed(cur, e) if router is not None else None
+            if res is None:
+                res = broker.route(cur, e, check_full=False)
+            return res == ROUTED_SYNC
         except BrokerError as exc:  # its queue was deleted since and may not come back
             broker.dropped_no_route += 1
             log.warning("transaction commit: message for %r dropped: %s", a.name, exc.description)

@@ -46,6 +46,7 @@ from typing import Any
 
 from amqbroker.core.accept import (
     DUPLICATE,
+    ENLIST,
     PENDING,
     ROUTED_SYNC,
     accept,
@@ -478,7 +479,7 @@ class ProducerLink:
                 transactional,
                 None
                 if broker.router is None or self.bypass_router
-                else self._routed_later(d, presettled),
+                else self._routed_later(d, presettled, a, e),
             )
             if res < PENDING:
                 self._settle_routed(d, presettled, res == ROUTED_SYNC, a)
@@ -494,12 +495,25 @@ class ProducerLink:
         except BrokerError as exc:
             self._refuse(d, presettled, exc.condition, exc.description)
 
-    def _routed_later(self, d: Any, presettled: bool) -> Callable[[int | BrokerError], None]:
+    def _routed_later(
+        self, d: Any, presettled: bool, a: Address, e: Entry
+    ) -> Callable[[int | BrokerError], None]:
         """The completion the cluster router calls once a PENDING message is routed
-        (or refused); a no-op once the link has gone or for presettled transfers."""
+        (or refused), or a transactional one may be enlisted (ENLIST); a no-op once
+        the link has gone, and for presettled transfers but to enlist them."""
 
         def done(res: int | BrokerError) -> None:
-            if self.closed or presettled:
+            if self.closed:
+                return
+            if res == ENLIST:
+                try:
+                    self._enlist(d, a, e, presettled)
+                except BrokerError as exc:
+                    self._refuse(d, presettled, exc.condition, exc.description)
+                if not self.conn.dirty:
+                    self.conn.mark_dirty()
+                return
+            if presettled:
                 return
             if isinstance(res, BrokerError):
                 fp.reject(d, res.condition, res.description)

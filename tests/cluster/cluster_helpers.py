@@ -9,7 +9,9 @@ reports every peer link up (via `clusterStatus` on `$management`).
 
 from __future__ import annotations
 
+import json
 import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -71,8 +73,8 @@ class Cluster:
         for n in nodes:
             await self.start_node(n)
 
-    async def connect(self, node: str) -> Client:
-        c = await Client.connect(self.ports[node], nursery=self.nursery)
+    async def connect(self, node: str, container: str | None = None) -> Client:
+        c = await Client.connect(self.ports[node], nursery=self.nursery, container=container)
         self.clients.append(c)
         return c
 
@@ -185,6 +187,62 @@ async def mgmt(c: Client, operation: str, typ: str, body: Any = None) -> Any:
     await s.close()
     await reply.close()
     return r.body
+
+
+async def audit(cluster: Cluster, nodes: tuple[str, ...] = NODES) -> tuple[int, dict[str, Any]]:
+    """`amqbroker audit` (PySpark) over the nodes' delivery logs (started with
+    `AMQBROKER_DELIVERY_LOG=true`, stopped so that the logs are flushed): its exit
+    code and audit.json."""
+    out = cluster.root / "audit-report"
+    r = await trio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "amqbroker",
+            "audit",
+            *(str(cluster.root / n) for n in nodes),
+            "--out",
+            str(out),
+            "--format",
+            "md",
+            "--driver-memory",
+            "1g",
+            "--shuffle-partitions",
+            "4",
+        ],
+        check=False,
+        capture_stdout=True,
+        capture_stderr=True,
+    )
+    if r.returncode not in (0, 1):
+        raise AssertionError(f"audit could not run ({r.returncode}): {r.stderr.decode()[-3000:]}")
+    return r.returncode, json.loads((out / "audit.json").read_text())
+
+
+def audit_reference(cluster: Cluster, nodes: tuple[str, ...] = NODES) -> dict[str, int]:
+    """The audit's plain-Python reference (`pipeline.invariants.check`, which the
+    PySpark audit is tested to agree with) over the nodes' delivery logs: every
+    finding's count, as `findings` gives them for `amqbroker audit`. Seconds, where a
+    Spark run takes a minute."""
+    import pyarrow.parquet as pq
+
+    from amqbroker.pipeline.audit_files import find_files
+    from amqbroker.pipeline.invariants import check
+
+    files = find_files([str(cluster.root / n) for n in nodes])
+    assert not files["jsonl"], files
+    records = [r for name in files["parquet"] for r in pq.read_table(name).to_pylist()]
+    return check(records).counts()
+
+
+def findings(report: dict[str, Any]) -> dict[str, int]:
+    """audit.json's counts: every invariant's and informational finding's."""
+    out = {}
+    for part in ("invariants", "info"):
+        for name, v in report[part].items():
+            if isinstance(v, dict) and "count" in v:
+                out[name] = int(v["count"])
+    return out
 
 
 class TcpProxy:

@@ -54,6 +54,16 @@ class Router:
         self.asked.append((a.name, e.data))
         return self.answer
 
+    def prepare(
+        self, a: Address, e: Entry, done: Callable[[int | BrokerError], None]
+    ) -> int | None:
+        self.asked.append(("prepare " + a.name, e.data))
+        return self.answer
+
+    def route_committed(self, a: Address, e: Entry) -> int | None:
+        self.asked.append(("committed " + a.name, e.data))
+        return self.answer
+
 
 def make_broker(**settings: object) -> Broker:
     repo = AddressSettingsRepository({"#": AddressSettings(**settings)})  # type: ignore[arg-type]
@@ -150,6 +160,22 @@ def test_router_asked_only_with_a_completion() -> None:
     r.answer = ROUTED_SYNC  # the router routed it itself
     assert accept(b, a, Entry(b"w"), b"w", done=noop) == ROUTED_SYNC
     assert a.queues[0].count == 2
+
+
+def test_a_grouped_transactional_send_waits_for_its_groups_decision() -> None:
+    b = make_broker()
+    a = b.address_for_producer("orders")
+    r = Router(PENDING)
+    b.router = r
+    # grouped: the router decides the group first (PENDING, then done(ENLIST))
+    assert accept(b, a, Entry(b"g", group_id="g"), b"g", True, noop) == PENDING
+    # ungrouped, or no completion: enlisted at once, the router not asked
+    assert accept(b, a, Entry(b"u"), b"u", True, noop) == ENLIST
+    assert accept(b, a, Entry(b"n", group_id="g"), b"n", True) == ENLIST
+    r.answer = None  # the group is decided already
+    assert accept(b, a, Entry(b"h", group_id="g"), b"h", True, noop) == ENLIST
+    assert r.asked == [("prepare orders", b"g"), ("prepare orders", b"h")]
+    assert a.queues[0].count == 0  # nothing routed before the commit
 
 
 def test_full_address_under_fail_policy_refuses() -> None:

@@ -37,8 +37,9 @@ file format). When the log is off the core holds ``None`` and every event site c
 one attribute test.
 
 Invariants: one call per event; `entry` is read at the call (its delivery-count and
-group are those of that moment); `Entry.trace` caches the message-id text and the
-producer id (set by the protocol layer at `received`, filled lazily otherwise).
+group are those of that moment); `Entry.trace` caches the message-id text, the
+producer id and the producer identity (set by the protocol layer at `received`, filled
+lazily otherwise).
 """
 
 from __future__ import annotations

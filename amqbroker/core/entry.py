@@ -75,9 +75,9 @@ class Entry:
         self.fields: Any = None
         #: id of the connection that sent the message (no-local); None when unknown
         self.origin: str | None = None
-        #: delivery log only: (message-id text, producer id), set at `received` or
-        #: on the first event; None while the log is off
-        self.trace: tuple[str | None, str | None] | None = None
+        #: delivery log only: (message-id text, producer id, producer identity), set
+        #: at `received` or on the first event; None while the log is off
+        self.trace: tuple[str | None, str | None, str | None] | None = None
 
     @property
     def size(self) -> int:

@@ -34,8 +34,12 @@ its docstring defines every term), expressed as DataFrame operations:
    dispatch in that queue on any node; a window per (queue, group, entry node, boot,
    producer) ordered by the order key gives each message the earliest first dispatch
    of the later ones (the boot: the ``started`` markers, collected, one per start of a
-   node). Moves (`audit_checks._moves`): the dispatches and ``unbound`` markers of a group in one
-   window ordered like the two-owner endpoints.
+   node). Producer order across entry nodes
+   (`audit_checks._producer_order_across_entry_nodes`): the same messages, a window per
+   (queue, group, producer identity) where every message has a group-sequence, a
+   range frame over the higher group-sequences. Moves (`audit_checks._moves`): the
+   dispatches and ``unbound`` markers of a group in one window ordered like the
+   two-owner endpoints.
 5. latency percentiles (``percentile_approx``), log-scale histograms, per-consumer
    load, group sizes and the worst groups: aggregations.
 

@@ -45,6 +45,12 @@ _FINDING_COLS = (
     ("producer", "string"),
     ("boot", "bigint"),
     ("later_message_id", "string"),
+    # producer order across entry nodes: the entry node and group-sequence of the
+    # message and of the later one
+    ("entry_node", "string"),
+    ("group_seq", "bigint"),
+    ("later_entry_node", "string"),
+    ("later_group_seq", "bigint"),
 )
 
 
@@ -84,13 +90,11 @@ def _boot(events: DataFrame, node: Column, seq: Column) -> Column:
     return boot
 
 
-def _producer_order(events: DataFrame, ev: DataFrame, slots: DataFrame) -> DataFrame:
-    """Producer order (`amqbroker.pipeline.invariants`): messages joined by message-id
-    from their entry ``received`` (not on a node a ``forwarded`` record names) to their
-    first dispatch in that queue on any node; a window per (queue, group, producer)
-    ordered by the order key gives each message the earliest first dispatch of the
-    messages after it."""
-    from pyspark.sql import Window
+def _producer_messages(ev: DataFrame, slots: DataFrame) -> DataFrame:
+    """The messages the producer-order checks compare (`amqbroker.pipeline.invariants`):
+    each grouped message joined by message-id from its entry ``received`` (not on a
+    node a ``forwarded`` record names; a resend's first) to its first dispatch in that
+    queue on any node (``k``), late messages left out; ``e`` is the entry record."""
     from pyspark.sql import functions as F
 
     col = F.col
@@ -105,10 +109,22 @@ def _producer_order(events: DataFrame, ev: DataFrame, slots: DataFrame) -> DataF
         .groupBy("message_id")
         .agg(
             F.min(
-                F.struct("ts_us", "node", "seq", "queue", "group_id", "group_seq", "producer")
+                F.struct(
+                    "ts_us",
+                    "node",
+                    "seq",
+                    "queue",
+                    "group_id",
+                    "group_seq",
+                    "producer",
+                    "producer_identity",
+                )
             ).alias("e")
         )
-        .filter(col("e.producer").isNotNull() & col("e.group_id").isNotNull())
+        .filter(
+            col("e.group_id").isNotNull()
+            & (col("e.producer").isNotNull() | col("e.producer_identity").isNotNull())
+        )
     )
     k = F.struct("owner_epoch", "ts_us", "node", "seq")
     first = (
@@ -117,21 +133,32 @@ def _producer_order(events: DataFrame, ev: DataFrame, slots: DataFrame) -> DataF
         .agg(F.min(k).alias("k"))
     )
     late = slots.filter(col("late") == 1).select("message_id").distinct()
-    msgs = (
+    return (
         first.join(entry, "message_id")
         .filter(col("queue") == col("e.queue"))
         .join(late, "message_id", "left_anti")
-        .select(
-            "queue",
-            "message_id",
-            "k",
-            col("e.group_id").alias("group_id"),
-            col("e.node").alias("entry_node"),
-            _boot(events, col("e.node"), col("e.seq")).alias("boot"),
-            col("e.producer").alias("producer"),
-            F.coalesce(col("e.group_seq"), F.lit(0)).alias("gseq"),
-            col("e.seq").alias("entry_seq"),
-        )
+        .select("queue", "message_id", "k", "e")
+    )
+
+
+def _producer_order(events: DataFrame, msgs: DataFrame) -> DataFrame:
+    """Producer order (`amqbroker.pipeline.invariants`) over `_producer_messages`: a
+    window per (queue, group, entry node, boot, producer) ordered by the order key
+    gives each message the earliest first dispatch of the messages after it."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    msgs = msgs.filter(col("e.producer").isNotNull()).select(
+        "queue",
+        "message_id",
+        "k",
+        col("e.group_id").alias("group_id"),
+        col("e.node").alias("entry_node"),
+        _boot(events, col("e.node"), col("e.seq")).alias("boot"),
+        col("e.producer").alias("producer"),
+        F.coalesce(col("e.group_seq"), F.lit(0)).alias("gseq"),
+        col("e.seq").alias("entry_seq"),
     )
     w_p = Window.partitionBy("queue", "group_id", "entry_node", "boot", "producer")
     every = F.min((col("gseq") > 0).cast("int")).over(w_p) == 1
@@ -153,6 +180,58 @@ def _producer_order(events: DataFrame, ev: DataFrame, slots: DataFrame) -> DataF
         seq=col("k.seq"),
         producer=F.concat(col("entry_node"), F.lit("/"), col("producer")),
         later_message_id=col("later.mid"),
+        last_node=col("later.k.node"),
+        last_seq=col("later.k.seq"),
+        last_ts_us=col("later.k.ts_us"),
+    )
+
+
+def _producer_order_across_entry_nodes(msgs: DataFrame) -> DataFrame:
+    """Producer order across entry nodes (`amqbroker.pipeline.invariants`) over
+    `_producer_messages`: per (queue, group, producer identity), only where every
+    message has a group-sequence; a window ordered by the group-sequence gives each
+    message the earliest first dispatch of the messages with a higher one (a range
+    frame: equal group-sequences are not ordered between them)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    col = F.col
+    msgs = msgs.filter(col("e.producer_identity").isNotNull()).select(
+        "queue",
+        "message_id",
+        "k",
+        col("e.group_id").alias("group_id"),
+        col("e.producer_identity").alias("producer"),
+        col("e.node").alias("entry_node"),
+        F.coalesce(col("e.group_seq"), F.lit(0)).cast("bigint").alias("gseq"),
+    )
+    w_p = Window.partitionBy("queue", "group_id", "producer")
+    every = F.min((col("gseq") > 0).cast("int")).over(w_p) == 1
+    # the messages with a higher group-sequence, as the rows before in ascending order
+    # of its negation: a growing frame (see `_producer_order`)
+    w_later = w_p.orderBy(-col("gseq")).rangeBetween(Window.unboundedPreceding, -1)
+    later = F.struct(
+        col("k"),
+        col("message_id").alias("mid"),
+        col("entry_node").alias("entry_node"),
+        col("gseq").alias("gseq"),
+    )
+    found = (
+        msgs.withColumn("every", every)
+        .filter(col("every"))
+        .withColumn("later", F.min(later).over(w_later))
+        .filter(col("later.k") < col("k"))
+    )
+    return _finding(
+        "producer_order_across_entry_nodes",
+        found,
+        node=col("k.node"),
+        first_ts_us=col("k.ts_us"),
+        seq=col("k.seq"),
+        group_seq=col("gseq"),
+        later_message_id=col("later.mid"),
+        later_entry_node=col("later.entry_node"),
+        later_group_seq=col("later.gseq"),
         last_node=col("later.k.node"),
         last_seq=col("later.k.seq"),
         last_ts_us=col("later.k.ts_us"),
@@ -463,7 +542,9 @@ def findings(events: DataFrame, ev: DataFrame, slots: DataFrame, copies: DataFra
     )
     parts.append(finding("two_owners", episodes))
     parts.append(finding("late", slots.filter(col("late") == 1), seq=col("arrival")))
-    parts.append(_producer_order(events, ev, slots))
+    msgs = _producer_messages(ev, slots)
+    parts.append(_producer_order(events, msgs))
+    parts.append(_producer_order_across_entry_nodes(msgs))
     parts += _moves(events, ev)
 
     found = parts[0]
@@ -527,14 +608,27 @@ class Findings:
             }
             for x in producer_order["samples"]
         ]
-        return {
-            name: two_owners
-            if name == "two_owners"
-            else producer_order
-            if name == "producer_order"
-            else result_of(name)
-            for name in INVARIANTS
+        across = result_of("producer_order_across_entry_nodes")
+        across["samples"] = [
+            {
+                "queue": x.get("queue"),
+                "group_id": x.get("group_id"),
+                "producer": x.get("producer"),
+                # the message dispatched too late, and the one with a higher
+                # group-sequence dispatched before it; each with its entry node
+                "message": _first_dispatch(x["message_id"], x["node"], x["first_ts_us"])
+                | {"group_seq": x.get("group_seq"), "entry_node": x.get("entry_node")},
+                "later": _first_dispatch(x["later_message_id"], x["last_node"], x["last_ts_us"])
+                | {"group_seq": x.get("later_group_seq"), "entry_node": x.get("later_entry_node")},
+            }
+            for x in across["samples"]
+        ]
+        shaped = {
+            "two_owners": two_owners,
+            "producer_order": producer_order,
+            "producer_order_across_entry_nodes": across,
         }
+        return {name: shaped[name] if name in shaped else result_of(name) for name in INVARIANTS}
 
     def moves(self) -> dict[str, Any]:
         """Moves without a release: per (queue, group, from node, to node), and the

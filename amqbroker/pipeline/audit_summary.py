@@ -212,13 +212,20 @@ def groups(found: DataFrame, copies: DataFrame) -> dict[str, Any]:
     bad = (
         found.filter(
             col("kind").isin(
-                "order_violations", "producer_order", "two_owners", "two_owner_moments"
+                "order_violations",
+                "producer_order",
+                "producer_order_across_entry_nodes",
+                "two_owners",
+                "two_owner_moments",
             )
         )
         .groupBy("queue", "group_id")
         .agg(
             F.sum((col("kind") == "order_violations").cast("long")).alias("order_violations"),
-            F.sum((col("kind") == "producer_order").cast("long")).alias("producer_order"),
+            # both producer-order checks (one message can be in both)
+            F.sum(
+                col("kind").isin("producer_order", "producer_order_across_entry_nodes").cast("long")
+            ).alias("producer_order"),
             F.sum((col("kind") == "two_owners").cast("long")).alias("two_owner_episodes"),
             F.sum((col("kind") == "two_owner_moments").cast("long")).alias("two_owner_moments"),
         )

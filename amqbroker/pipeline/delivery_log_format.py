@@ -41,7 +41,21 @@ outcome            str|null   settled only: accepted, rejected, released, modifi
                               (``unbound``: the reason of the release)
 owner_epoch        int64      epoch of the group's owner (0 on a single node)
 delivery_count     int32|null failed delivery attempts before this event
+producer_identity  str|null   "<container-id>/<link name>" of the sender (the records
+                              that have ``producer``): the AMQP connection's
+                              container-id, which a client keeps across reconnects and
+                              failover to another node (a Qpid JMS connection keeps one
+                              through ``failover:``, with stable link names), so a
+                              producer is the same one on every node and connection;
+                              null without a container-id
 =================  =========  ===========================================================
+
+Fields are added at the end of `FIELDS`, nullable, and never removed or renamed, so
+files written before a field existed stay readable: readers use the format's schema
+(`SPARK_DDL`, `arrow_schema`), a column missing from a Parquet file or a key missing
+from a JSON line reads as null, and a check that needs the field skips the records
+without it. ``producer_identity`` was added after the others: older logs have none
+(the audit's ``producer_order_across_entry_nodes`` finds nothing in them).
 
 Markers (``started``, ``unbound``: no message-id, about a node or a group) and ``late``:
 
@@ -120,6 +134,7 @@ FIELDS: Final = (
     ("outcome", "str?"),
     ("owner_epoch", "int64"),
     ("delivery_count", "int32?"),
+    ("producer_identity", "str?"),
 )
 FIELD_NAMES: Final = tuple(name for name, _ in FIELDS)
 
@@ -135,7 +150,7 @@ SPARK_DDL: Final = (
     "node STRING NOT NULL, seq BIGINT NOT NULL, ts_us BIGINT NOT NULL, "
     "event STRING NOT NULL, queue STRING, message_id STRING, group_id STRING, "
     "group_seq INT, producer STRING, consumer STRING, outcome STRING, "
-    "owner_epoch BIGINT NOT NULL, delivery_count INT"
+    "owner_epoch BIGINT NOT NULL, delivery_count INT, producer_identity STRING"
 )
 
 

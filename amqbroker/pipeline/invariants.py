@@ -52,16 +52,29 @@ producer
     ``"<connection id>/<link name>"`` of that record; *boot* is the number of
     ``started`` markers of the entry node at or before its ``seq`` (connection ids
     start again at each boot). Shown as ``"<entry node>/<producer>"`` with the boot.
+producer identity
+    the ``producer_identity`` of the entry ``received``: ``"<container-id>/<link
+    name>"`` of the sender, the same across its reconnects, restarts of the broker and
+    failover to another entry node (Qpid JMS keeps its container-id and link names
+    through ``failover:``). Null in logs written before the field existed. It
+    assumes one sender per (container-id, link name) at a time: two live connections
+    with one container-id (a client given a fixed container-id without the
+    sole-connection capability) sending the same group on links of the same name
+    would read as one producer.
 order key
     per (queue, group, producer): ``group_seq`` of the entry ``received`` when every
     message of that (queue, group, producer) has one (> 0: 0 is "not set", -1 closes
     the group), then the entry ``seq``; otherwise the entry ``seq`` alone (the order in
     which the entry node received them from that link).
+resend
+    a message received again with the same message-id (a producer that resends what
+    it had no answer for after a failover): one message, its entry ``received`` the
+    first, its first dispatch the first dispatch of either copy.
 late
     a message with a ``late`` event (policy ``move``: a stranded message forwarded
     after a node loss, delivered after newer ones on purpose).
 
-Checks (the first six are invariants: any finding fails the audit)
+Checks (the first seven are invariants: any finding fails the audit)
 ------------------------------------------------------------------
 lost
     routed copies, neither resolved, parked, pending nor still queued.
@@ -85,6 +98,22 @@ producer_order
     subscriptions, dead-letter and expiry queues are left to ``order_violations``.
     Messages never dispatched there, without a producer or a group, and late messages
     are not compared.
+producer_order_across_entry_nodes
+    per (queue, group, producer identity), whatever the entry node, its boot and the
+    connection: the messages ordered by the ``group_seq`` of their entry ``received``;
+    a message whose first ``dispatched`` in that queue (on whichever node, by K) comes
+    after the first dispatch of a message with a higher group-sequence is a violation
+    (reported with the earliest-dispatched such message, as ``producer_order``). A
+    producer that fails over from one entry node to another, or reconnects, is one
+    producer here: its newer messages sent through the new entry node must not
+    overtake older ones still on their way from the old one. Only partitions where
+    every message has a group-sequence (> 0) are checked: the entry ``seq`` of
+    different nodes (and of different boots) is not comparable, so without
+    group-sequences the order of a producer's messages across entry nodes is unknown
+    and such partitions are left out (``producer_order`` still checks each entry
+    node's share). Messages with equal group-sequences are not ordered between them.
+    A resend counts once; messages never dispatched in that queue, without an
+    identity or a group, and late messages are not compared.
 two_owners
     per ``(queue, group)`` over all nodes: each ``dispatched`` opens a delivery that
     the next ``settled`` or ``released`` of its slot closes; the deliveries' endpoints
@@ -143,6 +172,7 @@ INVARIANTS = (
     "received_twice",
     "order_violations",
     "producer_order",
+    "producer_order_across_entry_nodes",
     "two_owners",
 )
 #: the informational findings (listed, counted, never a failure)
@@ -175,6 +205,11 @@ class Findings:
     #: (queue, group_id, "<entry node>/<producer>", boot, message_id dispatched too
     #: late, the later message_id first dispatched before it)
     producer_order: list[tuple[str, str, str, int, str, str]] = field(default_factory=list)
+    #: (queue, group_id, producer identity, message_id dispatched too late, the later
+    #: message_id (higher group-sequence) first dispatched before it)
+    producer_order_across_entry_nodes: list[tuple[str, str, str, str, str]] = field(
+        default_factory=list
+    )
     #: episodes: (queue, group_id, node, seq, consumer, moments) of the first moment
     two_owners: list[tuple[str, str, str, int, str, int]] = field(default_factory=list)
     #: (queue, group_id, node, seq, consumer) of each dispatch to a second owner
@@ -343,7 +378,12 @@ def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
                 f.order_violations.append((node, queue, gid, mid))
             top = first if top is None else max(top, first)
 
-    f.producer_order = _producer_order(recs, {k[2] for k in f.late})
+    late = {k[2] for k in f.late}
+    entry, first_dispatch = _entries_and_first_dispatches(recs)
+    f.producer_order = _producer_order(recs, late, entry, first_dispatch)
+    f.producer_order_across_entry_nodes = _producer_order_across_entry_nodes(
+        late, entry, first_dispatch
+    )
     f.two_owners, f.two_owner_moments = _two_owners(recs)
     f.moves = _moves(recs)
     for name in (*INVARIANTS, *INFO, "two_owner_moments"):
@@ -362,17 +402,23 @@ def boots(recs: Iterable[Mapping[str, Any]]) -> dict[str, list[int]]:
     return out
 
 
-def _producer_order(
-    recs: list[Mapping[str, Any]], late: set[str]
-) -> list[tuple[str, str, str, int, str, str]]:
+#: message-id -> its entry received: ((ts_us, node, seq), the record)
+Entries = dict[str, tuple[tuple[int, str, int], Mapping[str, Any]]]
+#: (queue, message-id) -> K of its first dispatch in that queue, on any node
+FirstDispatches = dict[tuple[str, str], Key]
+
+
+def _entries_and_first_dispatches(
+    recs: list[Mapping[str, Any]],
+) -> tuple[Entries, FirstDispatches]:
+    """Each message's entry ``received`` and its first dispatch per queue (the
+    ``producer`` definitions of the module docstring)."""
     inbound: dict[str, set[str]] = defaultdict(set)
     for r in recs:
         if r["event"] == "forwarded" and r["message_id"] is not None:
             inbound[r["message_id"]].add(target_node(r["queue"]))
-    starts = boots(recs)
-    # message-id -> entry received (ts_us, node, seq), its record
-    entry: dict[str, tuple[tuple[int, str, int], Mapping[str, Any]]] = {}
-    first: dict[tuple[str, str], Key] = {}
+    entry: Entries = {}
+    first: FirstDispatches = {}
     for r in recs:
         mid = r["message_id"]
         if mid is None:
@@ -385,6 +431,13 @@ def _producer_order(
             k, q = order_key(r), (r["queue"] or "", mid)
             if q not in first or k < first[q]:
                 first[q] = k
+    return entry, first
+
+
+def _producer_order(
+    recs: list[Mapping[str, Any]], late: set[str], entry: Entries, first: FirstDispatches
+) -> list[tuple[str, str, str, int, str, str]]:
+    starts = boots(recs)
     parts: dict[tuple[str, str, str, int, str], list[tuple[int, int, str, Key]]] = defaultdict(list)
     for (queue, mid), k in first.items():
         e = entry.get(mid)
@@ -408,6 +461,43 @@ def _producer_order(
                 found.append((queue, gid, f"{node}/{producer}", boot, mid, best[1]))
             if best is None or k < best[0]:
                 best = (k, mid)
+    return found
+
+
+def _producer_order_across_entry_nodes(
+    late: set[str], entry: Entries, first: FirstDispatches
+) -> list[tuple[str, str, str, str, str]]:
+    parts: dict[tuple[str, str, str], list[tuple[int, str, Key]]] = defaultdict(list)
+    for (queue, mid), k in first.items():
+        e = entry.get(mid)
+        if e is None or mid in late:
+            continue
+        r = e[1]
+        ident = r.get("producer_identity")
+        if ident is None or r["group_id"] is None or (r["queue"] or "") != queue:
+            continue
+        gseq = r["group_seq"] if r["group_seq"] is not None else 0
+        parts[(queue, r["group_id"], ident)].append((gseq, mid, k))
+    found = []
+    for (queue, gid, ident), items in parts.items():
+        if not all(g > 0 for g, *_ in items):
+            continue  # no order across entry nodes without group-sequences
+        items.sort(reverse=True)
+        # the earliest first dispatch of a message with a higher group-sequence
+        best: tuple[Key, str] | None = None
+        i = 0
+        while i < len(items):
+            j = i
+            while j < len(items) and items[j][0] == items[i][0]:
+                j += 1
+            same = items[i:j]  # equal group-sequences: not ordered between them
+            for _, mid, k in same:
+                if best is not None and best[0] < k:
+                    found.append((queue, gid, ident, mid, best[1]))
+            for _, mid, k in same:
+                if best is None or k < best[0]:
+                    best = (k, mid)
+            i = j
     return found
 
 

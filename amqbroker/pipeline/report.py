@@ -23,6 +23,9 @@ TITLES = {
     "order_violations": "group order violations (first dispatch out of arrival order)",
     "producer_order": "group order violations per producer across nodes "
     "(first dispatched after a later message)",
+    "producer_order_across_entry_nodes": "group order violations per producer across "
+    "entry nodes and reconnects (by container-id and group-sequence: first dispatched "
+    "after a message with a higher group-sequence)",
     "two_owners": "episodes a group had two owners",
 }
 #: the state of an unresolved copy at the end of the log that is not a finding
@@ -43,7 +46,11 @@ def _count(r: dict[str, Any], name: str) -> str:
 
 def _examples(r: dict[str, Any], name: str) -> str:
     f = r["invariants"][name]
-    show = {"two_owners": _episode, "producer_order": _overtaken}.get(name, _sample)
+    show = {
+        "two_owners": _episode,
+        "producer_order": _overtaken,
+        "producer_order_across_entry_nodes": _overtaken_across,
+    }.get(name, _sample)
     return "; ".join(show(x) for x in f["samples"][:3]) or "-"
 
 
@@ -57,6 +64,19 @@ def _overtaken(x: dict[str, Any]) -> str:
     return (
         f"queue={x['queue']}, group={x['group_id']}, producer={x['producer']}{boot}: "
         f"{_at(x['message'])}, after the later {_at(x['later'])}"
+    )
+
+
+def _overtaken_across(x: dict[str, Any]) -> str:
+    """A producer-order violation across entry nodes: the message first dispatched
+    after one with a higher group-sequence, each with the node it entered by."""
+
+    def at(d: dict[str, Any]) -> str:
+        return f"{_at(d)} (group-seq {d.get('group_seq')} via {d.get('entry_node')})"
+
+    return (
+        f"queue={x['queue']}, group={x['group_id']}, producer={x['producer']}: "
+        f"{at(x['message'])}, after the later {at(x['later'])}"
     )
 
 

@@ -285,6 +285,7 @@ class ProducerLink:
         "max_size",
         "origin",
         "producer_id",
+        "producer_identity",
         "ptr",
         "rbuf",
         "relay_ok",
@@ -333,9 +334,15 @@ class ProducerLink:
         )
         #: a relay transfer was refused for lack of permission (logged once per link)
         self.denied = False
-        #: the delivery log (None = off) and this producer's id in it
+        #: the delivery log (None = off) and this producer's ids in it (built once
+        #: here, never per message): per connection (the connection ids start again
+        #: at each boot), and across reconnects and failover (the client's
+        #: container-id: a Qpid JMS connection keeps it through `failover:`; None
+        #: without one)
         self.dlog = conn.broker.dlog
         self.producer_id = f"{conn.conn_id}/{link.name}"
+        container = conn.remote_container
+        self.producer_identity = f"{container}/{link.name}" if container else None
         self.fallback = True
         #: no address at attach (anonymous relay, cluster inbound): the fallback is
         #: scanned on and then settled by each message's destination (`_route`)
@@ -469,7 +476,7 @@ class ProducerLink:
             if self.tracer is not None:
                 self.tracer(self, e, a)
             if self.dlog is not None:
-                e.trace = (log_message_id(data), self.producer_id)
+                e.trace = (log_message_id(data), self.producer_id, self.producer_identity)
             transactional = delivery_remote_state(d) == PN_TRANSACTIONAL
             res = accept(
                 broker,

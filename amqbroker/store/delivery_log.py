@@ -60,8 +60,8 @@ _EPOCH_HISTORY = 64
 _INT32_MAX = (1 << 31) - 1
 
 #: one buffered event: seq, time (epoch s), event code, queue, message-id, producer,
-#: group id, group seq, consumer, outcome, delivery count (markers: group seq and
-#: delivery count None)
+#: group id, group seq, consumer, outcome, delivery count, producer identity (markers:
+#: group seq and delivery count None)
 Row = tuple[
     int,
     float,
@@ -74,6 +74,7 @@ Row = tuple[
     str | None,
     str | None,
     int | None,
+    str | None,
 ]
 
 
@@ -160,7 +161,20 @@ class DeliveryLogWriter:
         # start again at c1) from those of its previous life
         self._seq += 1
         self._buf.append(
-            (self._seq, self._clock(), STARTED, None, None, None, None, None, None, None, None)
+            (
+                self._seq,
+                self._clock(),
+                STARTED,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
         )
         if self.format == "parquet":
             import pyarrow as pa
@@ -227,7 +241,7 @@ class DeliveryLogWriter:
             return
         tr = entry.trace
         if tr is None:
-            tr = entry.trace = (self._mid(entry.data), None)
+            tr = entry.trace = (self._mid(entry.data), None, None)
         # only atomic values: the garbage collector stops tracking such tuples, so a
         # full buffer does not make collections slower
         buf.append(
@@ -243,6 +257,7 @@ class DeliveryLogWriter:
                 None if consumer is None else consumer.log_id,
                 outcome,
                 entry.delivery_count,
+                tr[2],
             )
         )
         if n == self.take_at and self.wake is not None:
@@ -253,7 +268,20 @@ class DeliveryLogWriter:
         `reason` in the outcome column); rare, so never dropped for a full buffer."""
         self._seq += 1
         self._buf.append(
-            (self._seq, self._clock(), event, queue, None, None, group_id, None, None, reason, None)
+            (
+                self._seq,
+                self._clock(),
+                event,
+                queue,
+                None,
+                None,
+                group_id,
+                None,
+                None,
+                reason,
+                None,
+                None,
+            )
         )
 
     def set_owner_epoch(self, epoch: int) -> None:
@@ -425,8 +453,8 @@ class DeliveryLogWriter:
         import pyarrow.compute as pc
 
         # one pass per column (zip(*batch) would allocate an iterator per row)
-        seqs, ts, ev, queues, mids, producers, gids, gseqs, cons, outcomes, dcs = (
-            list(map(itemgetter(k), batch)) for k in range(11)
+        seqs, ts, ev, queues, mids, producers, gids, gseqs, cons, outcomes, dcs, idents = (
+            list(map(itemgetter(k), batch)) for k in range(12)
         )
         n = len(batch)
         gid = pa.array(gids, type=pa.string())
@@ -452,6 +480,7 @@ class DeliveryLogWriter:
             "outcome": pa.array(outcomes, type=pa.string()),
             "owner_epoch": pa.array(self._epochs_of(seqs), type=pa.int64()),
             "delivery_count": pa.array(dcs, type=pa.int32()),
+            "producer_identity": pa.array(idents, type=pa.string()),
         }
         return pa.Table.from_arrays([cols[f] for f in fmt.FIELD_NAMES], schema=self._schema)
 
@@ -461,9 +490,20 @@ class DeliveryLogWriter:
         dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
         out = []
         epochs = self._epochs_of([row[0] for row in batch])
-        for i, (seq, t, ev, queue, mid, producer, gid, gseq, consumer, outcome, dc) in enumerate(
-            batch
-        ):
+        for i, (
+            seq,
+            t,
+            ev,
+            queue,
+            mid,
+            producer,
+            gid,
+            gseq,
+            consumer,
+            outcome,
+            dc,
+            ident,
+        ) in enumerate(batch):
             out.append(
                 dumps(
                     {
@@ -482,6 +522,7 @@ class DeliveryLogWriter:
                         "outcome": outcome,
                         "owner_epoch": epochs[i],
                         "delivery_count": dc,
+                        "producer_identity": ident,
                     }
                 )
             )

@@ -169,6 +169,9 @@ def clean_log(
         for gid in owner:
             if rnd.random() < 0.15:
                 owner[gid] = rnd.choice(consumers)
+    for r in out:  # the producers' container-ids (one link each, "send")
+        if r["producer"] is not None:
+            r["producer_identity"] = f"container-{r['producer']}"
     return renumber(out, start_seq=start_seq, seed=seed)
 
 
@@ -417,6 +420,7 @@ def write_bulk(
                     "outcome": pa.array(np.where(kind == 3, "accepted", None)),
                     "owner_epoch": pa.array(np.zeros(k, dtype=np.int64)),
                     "delivery_count": pa.array(np.zeros(k, dtype=np.int32)),
+                    "producer_identity": pa.nulls(k, pa.string()),
                 },
                 schema=fmt.arrow_schema(),
             )

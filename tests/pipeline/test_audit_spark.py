@@ -119,8 +119,24 @@ def test_audit_of_real_run_with_injected_faults(spark, real_log, tmp_path):
         "order_violations": 1,
         # the swapped pair came from the run's one producer: its order is broken too
         "producer_order": len(ref.producer_order),
+        # and across entry nodes: the client has a container-id and sets group-sequences
+        "producer_order_across_entry_nodes": len(ref.producer_order_across_entry_nodes),
         "two_owners": 1,  # one episode, of one or more moments
     }
+    assert sorted((q, g, m, later) for q, g, _, _, m, later in ref.producer_order) == sorted(
+        (q, g, m, later) for q, g, _, m, later in ref.producer_order_across_entry_nodes
+    )
+    assert (
+        sorted(
+            (
+                *(s[k] for k in ("queue", "group_id", "producer")),
+                s["message"]["message_id"],
+                s["later"]["message_id"],
+            )
+            for s in inv["producer_order_across_entry_nodes"]["samples"]
+        )
+        == ref.producer_order_across_entry_nodes
+    )
     assert ref.producer_order and {g for _, g, *_ in ref.producer_order} == {ooo_group}
     assert (
         sorted(

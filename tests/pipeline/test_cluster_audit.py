@@ -289,3 +289,180 @@ def test_move_policy_with_late_forwarding_is_clean():
     # without the marker the same log breaks the order per producer
     unmarked = check(r for r in load("cluster-move-late") if r["event"] != "late")
     assert unmarked.producer_order
+
+
+# ------------------------------------------- producer order across entry nodes
+#: the producer's identity: a Qpid JMS connection's container-id and its sender's link
+#: name, both kept through `failover:`
+IDENT = "ID:app-1:1/qpid-jms:sender:ID:app-1:1:1:1:orders"
+BRIDGED = {"producer": "c2/n2->n1.bridge", "producer_identity": "n2/n2->n1.bridge"}
+
+
+def failover_log(
+    order_kept: bool = False, resend: bool = False, group_seq: bool = True
+) -> list[dict[str, Any]]:
+    """A producer that moves from entry node n2 to n1 (group fg, owned by n1, where its
+    consumer is): via n2 (connection c3) it sends m3 and m4 (group-sequence 3 and 4);
+    n2 forwards both to n1, m3 arrives, m4 waits in n2's bridge when n2 dies; the
+    producer fails over to n1 (connection c9, the same identity) and sends m5
+    (group-sequence 5). n2's bridge delivers m4 to n1: before m5 (`order_kept`: what
+    the broker does now, m4 was not answered accepted before n1 had it) or, after a
+    restart of n2, once m5 was dispatched (m5 overtook m4). `resend`: the producer, which
+    had no answer for m4, sends it again via n1 (same message-id) before m5, so m4's
+    first dispatch comes first; the bridged copy is still delivered after m5.
+    `group_seq`: the messages carry their group-sequence (else none)."""
+    gs = {f"m{i}": i if group_seq else None for i in (3, 4, 5)}
+    c = "c4/recv"
+    via_n2 = {"producer": "c3/sender", "producer_identity": IDENT}
+    via_n1 = {"producer": "c9/sender", "producer_identity": IDENT}
+    out = [
+        _rec("n1", 1, 0, "started", None, queue=None, group_id=None),
+        _rec("n2", 1, 0, "started", None, queue=None, group_id=None),
+    ]
+    for i, mid in enumerate(("m3", "m4")):
+        kw = {"group_id": "fg", "group_seq": gs[mid]}
+        out.append(_rec("n2", 2 + 2 * i, 10 + 10 * i, "received", mid, **kw, **via_n2))
+        out.append(_rec("n2", 3 + 2 * i, 11 + 10 * i, "forwarded", mid, queue="n1/orders", **kw))
+
+    n1: list[tuple[str, str, dict[str, Any]]] = []
+
+    def deliver(mid: str, sender: dict[str, Any]) -> None:
+        n1.extend([("received", mid, sender), ("routed", mid, {})])
+        n1.extend([("dispatched", mid, {"consumer": c})])
+        n1.append(("settled", mid, {"consumer": c, "outcome": "accepted"}))
+
+    deliver("m3", BRIDGED)
+    if resend:
+        deliver("m4", via_n1)
+    if order_kept:
+        deliver("m4", BRIDGED)
+    n1 += [("received", "m5", via_n1), ("routed", "m5", {})]
+    n1 += [("dispatched", "m5", {"consumer": c})]
+    n1 += [("settled", "m5", {"consumer": c, "outcome": "accepted"})]
+    if not order_kept:
+        deliver("m4", BRIDGED)
+    for i, (ev, mid, kw) in enumerate(n1):
+        out.append(
+            _rec("n1", 2 + i, 1000 + 10 * i, ev, mid, group_id="fg", group_seq=gs[mid], **kw)
+        )
+    return out
+
+
+def test_producer_overtaking_itself_across_entry_nodes_is_flagged():
+    """m5 (group-sequence 5, via n1) is first dispatched before m4 (group-sequence 4,
+    held in n2's bridge): the producer overtook itself. The check per entry node does
+    not see it: m4 and m5 entered by two nodes and connections."""
+    f = check(failover_log())
+    assert f.producer_order_across_entry_nodes == [("orders", "fg", IDENT, "m4", "m5")]
+    assert f.producer_order == []
+    assert not f.ok
+    assert {k: v for k, v in f.counts().items() if v} == {"producer_order_across_entry_nodes": 1}
+
+
+def test_producer_across_entry_nodes_in_order_is_clean():
+    f = check(failover_log(order_kept=True))
+    assert f.ok, f.counts()
+    assert not any(f.counts().values()), f.counts()
+
+
+def test_resend_with_the_same_message_id_counts_once():
+    """The producer resent m4 via n1 before m5: m4's first dispatch (the resend's)
+    comes before m5's; the bridged copy delivered after m5 is the same message."""
+    f = check(failover_log(resend=True))
+    assert f.producer_order_across_entry_nodes == []
+    assert f.producer_order == []
+
+
+def test_without_group_sequence_order_across_entry_nodes_is_not_checked():
+    """Entry-node sequence numbers are not comparable across nodes: without
+    group-sequences the overtaking in `failover_log` cannot be seen."""
+    assert check(failover_log(group_seq=False)).producer_order_across_entry_nodes == []
+    # one message without one is enough to leave the partition out
+    log = failover_log()
+    for r in log:
+        if r["message_id"] == "m3":
+            r["group_seq"] = 0
+    assert check(log).producer_order_across_entry_nodes == []
+
+
+def test_producer_identity_missing_from_older_logs():
+    """Logs written before the field existed: nothing to compare."""
+    log = [{k: v for k, v in r.items() if k != "producer_identity"} for r in failover_log()]
+    assert check(log).producer_order_across_entry_nodes == []
+
+
+def _renamed(log: list[dict[str, Any]], p: str) -> list[dict[str, Any]]:
+    """`log` with its nodes, message-ids and groups prefixed by `p` (distinct logs in
+    one audit)."""
+    out = []
+    for r in log:
+        r = dict(r, node=p + r["node"])
+        if r["message_id"] is not None:
+            r["message_id"] = p + r["message_id"]
+        if r["group_id"] is not None:
+            r["group_id"] = p + r["group_id"]
+        if r["event"] in ("forwarded", "unbound"):
+            r["queue"] = p + r["queue"]
+        out.append(r)
+    return out
+
+
+@pytestmark_spark
+def test_spark_audit_agrees_on_producer_order_across_entry_nodes(spark, tmp_path):
+    """One audit (`audit.run`) over the failover logs (overtaken, in order, resend,
+    without group-sequences; distinct nodes and ids) and the wait-policy fixture as
+    Parquet files written before ``producer_identity`` existed (the column missing):
+    the same findings as the reference, reported."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = (
+        _renamed(failover_log(), "x")
+        + _renamed(failover_log(order_kept=True), "k")
+        + _renamed(failover_log(resend=True), "r")
+        + _renamed(failover_log(group_seq=False), "z")
+    )
+    ref = check(records)
+    assert ref.producer_order_across_entry_nodes == [("orders", "xfg", IDENT, "xm4", "xm5")]
+    root = tmp_path / "logs" / fmt.DIRECTORY
+    L.write_log(records[: len(records) // 2], root, "jsonl")
+    L.write_log(records[len(records) // 2 :], root, "parquet")
+    old_fields = [(n, t) for n, t in fmt.FIELDS if n != "producer_identity"]
+    old_schema = pa.schema([f for f in fmt.arrow_schema() if f.name in dict(old_fields)])
+    wait = load("cluster-wait")
+    for node in {r["node"] for r in wait}:
+        rows = sorted((r for r in wait if r["node"] == node), key=lambda r: r["seq"])
+        (root / node).mkdir()
+        table = pa.Table.from_pylist([{n: r[n] for n, _ in old_fields} for r in rows], old_schema)
+        pq.write_table(table, root / node / fmt.file_name(rows[0]["seq"], "parquet"))
+    ref_all = check(records + wait)
+    assert ref_all.producer_order_across_entry_nodes == ref.producer_order_across_entry_nodes
+    out = tmp_path / "report"
+    code = audit.run(audit.AuditOptions(paths=[str(root)], out=out), echo=_quiet)
+    assert code == audit.EXIT_BROKEN
+    r = json.loads((out / "audit.json").read_text())
+    assert {n: r["invariants"][n]["count"] for n in INVARIANTS} == {
+        n: len(getattr(ref_all, n)) for n in INVARIANTS
+    }
+    across = r["invariants"]["producer_order_across_entry_nodes"]
+    (s,) = across["samples"]
+    assert (
+        s["queue"],
+        s["group_id"],
+        s["producer"],
+        s["message"]["message_id"],
+        s["later"]["message_id"],
+    ) == ref.producer_order_across_entry_nodes[0]
+    assert (s["message"]["entry_node"], s["message"]["group_seq"]) == ("xn2", 4)
+    assert (s["later"]["entry_node"], s["later"]["group_seq"]) == ("xn1", 5)
+    assert s["message"]["node"] == s["later"]["node"] == "xn1"
+    assert s["message"]["ts_us"] > s["later"]["ts_us"]
+    worst = {(g["queue"], g["group_id"]): g for g in r["groups"]["worst"]}
+    assert worst[("orders", "xfg")]["producer_order"] == 1
+    title = TITLES["producer_order_across_entry_nodes"]
+    md = (out / "report.md").read_text()
+    html = (out / "report.html").read_text()
+    assert f"| {title} | 1 |" in md
+    for text in (md, html):
+        assert title in text
+        assert "group-seq 4 via xn2" in text and "group-seq 5 via xn1" in text

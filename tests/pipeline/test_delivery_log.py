@@ -79,7 +79,7 @@ async def test_every_event_written_once(run: Run, tmp_path: Path, file_format: s
     app, done = await run(delivery_log_format=file_format)
     port = app.listening[0][1]
     async with trio.open_nursery() as n:
-        c = await Client.connect(port, nursery=n)
+        c = await Client.connect(port, nursery=n, container="audit-client")
         s = await c.sender("q1", name="tx")
         for i in range(3):
             await s.send(msg(f"m{i}", group_id="g", group_sequence=i + 1))
@@ -168,6 +168,8 @@ async def test_every_event_written_once(run: Run, tmp_path: Path, file_format: s
     assert [r["consumer"] for r in dispatched] == [f"{conn_id}/rx", f"{conn_id}/rx"]
     # the producer follows the message into its queue events
     assert {r["producer"] for r in rows if r["message_id"] == "m1"} == {f"{conn_id}/tx"}
+    # and its identity across reconnects: the client's container-id and the link name
+    assert {r["producer_identity"] for r in rows if r["message_id"] == "m1"} == {"audit-client/tx"}
     # delivery-count is that of the moment: the release did not count a failure
     assert [r["delivery_count"] for r in dispatched] == [0, 0]
 

@@ -30,6 +30,7 @@ def test_clean_log_has_no_finding(clean):
         "received_twice": 0,
         "order_violations": 0,
         "producer_order": 0,
+        "producer_order_across_entry_nodes": 0,
         "two_owners": 0,
         "unrouted": 1,
         "still_queued": 0,
@@ -98,7 +99,7 @@ def test_forwarded_message_may_be_received_again(clean):
 def test_out_of_order_group(clean, seed):
     bad, (gid, mid) = L.inject_out_of_order(clean, seed=seed)
     f = check(bad)
-    only(f, "order_violations", also=("producer_order",))
+    only(f, "order_violations", also=("producer_order", "producer_order_across_entry_nodes"))
     assert f.order_violations == [("n1", "orders", gid, mid)]
     # the same swap is a producer-order violation when both came from one producer
     (early,) = [r for r in bad if r["message_id"] == mid and r["event"] == "received"]
@@ -107,6 +108,12 @@ def test_out_of_order_group(clean, seed):
         overtaken
     )
     assert len(f.producer_order) == len(overtaken)
+    # on one node, with group-sequences, the check across entry nodes finds the same
+    across = f.producer_order_across_entry_nodes
+    assert sorted((q, g, m, later) for q, g, _, _, m, later in f.producer_order) == sorted(
+        (q, g, m, later) for q, g, _, m, later in across
+    )
+    assert {p for _, _, p, *_ in across} <= {f"container-{early['producer']}"}
 
 
 @pytest.mark.parametrize("seed", range(4))

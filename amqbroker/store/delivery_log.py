@@ -76,22 +76,38 @@ _STATISTICS_COLUMNS = ["seq", "ts_us"]
 #: child process failures in a row before the delivery log is switched off
 _CHILD_RETRIES = 3
 
-#: one buffered event: seq, time (epoch s), event code, queue, message-id, producer,
+#: the entry's `Entry.trace`: (message-id text, producer id), shared by every record
+#: of a message (marshal sends it once per batch)
+Trace = tuple[str | None, str | None]
+#: one buffered event: time (epoch s), event code, queue, trace (None for markers),
 #: group id, group seq, consumer, outcome, delivery count (markers: group seq and
-#: delivery count None)
+#: delivery count None); its seq is implicit (`Batch`)
 Row = tuple[
-    int,
     float,
     int,
     str | None,
-    str | None,
-    str | None,
+    Trace | None,
     str | None,
     int | None,
     str | None,
     str | None,
     int | None,
 ]
+
+
+class Batch(list[Row]):
+    """The records taken from the buffer; their seqs are implicit: `first_seq` for
+    the first, one more for each next, except the rows in `explicit` ((index, seq):
+    markers buffered after records were dropped for a full buffer)."""
+
+    first_seq = 1
+    explicit: list[tuple[int, int]] = []
+
+    def seqs(self) -> list[int]:
+        out = list(range(self.first_seq, self.first_seq + len(self)))
+        for i, q in self.explicit:
+            out[i] = q
+        return out
 
 
 def pyarrow_available() -> bool:
@@ -135,8 +151,12 @@ class DeliveryLogWriter:
         self.wake = wake
         self.node = ""
         self.directory: Path | None = None
-        self._buf: list[Row] = []
-        self._seq = 0
+        self._buf = Batch()
+        #: the seq of the buffer's first record, the records dropped since the
+        #: last take (each took a seq), the rows buffered after a drop (index, seq)
+        self._first = 1
+        self._gap = 0
+        self._explicit: list[tuple[int, int]] = []
         #: (first seq, owner epoch) from that seq on: the cluster's arbiter epoch
         #: (`set_owner_epoch`), 0 on a single node; changes are rare (failovers)
         self._epochs: list[tuple[int, int]] = [(0, 0)]
@@ -172,13 +192,10 @@ class DeliveryLogWriter:
         others = [p for p in d.glob(f"{fmt.PREFIX}*") if p.suffix != self._ext]
         for p in closed[-1:] + sorted(others)[-1:]:
             last = max(last, _last_seq(p))
-        self._seq = last
+        self._first = last + 1
         # the boot marker: the audit tells a restarted node's producers (connection ids
         # start again at c1) from those of its previous life
-        self._seq += 1
-        self._buf.append(
-            (self._seq, self._clock(), STARTED, None, None, None, None, None, None, None, None)
-        )
+        self._buf.append((self._clock(), STARTED, None, None, None, None, None, None, None))
         if self._use_child:
             self._child = ChildWriter(self)
 
@@ -242,10 +259,10 @@ class DeliveryLogWriter:
         consumer: Consumer | None = None,
         outcome: str | None = None,
     ) -> None:
-        self._seq += 1
         buf = self._buf
         n = len(buf)
         if n >= self._cap:
+            self._gap += 1
             self.dropped += 1
             self._dropping += 1
             if self._dropping == 1:
@@ -264,12 +281,10 @@ class DeliveryLogWriter:
         # full buffer does not make collections slower
         buf.append(
             (
-                self._seq,
                 self._clock(),
                 event,
                 queue,
-                tr[0],
-                tr[1],
+                tr,
                 entry.group_id,
                 entry.group_seq,
                 None if consumer is None else consumer.log_id,
@@ -283,10 +298,15 @@ class DeliveryLogWriter:
     def marker(self, event: int, queue: str, group_id: str, reason: str | None = None) -> None:
         """A marker about a group (`amqbroker.core.delivery_log.UNBOUND`, with its
         `reason` in the outcome column); rare, so never dropped for a full buffer."""
-        self._seq += 1
-        self._buf.append(
-            (self._seq, self._clock(), event, queue, None, None, group_id, None, None, reason, None)
-        )
+        buf = self._buf
+        if self._gap:
+            self._explicit.append((len(buf), self._first + len(buf) + self._gap))
+        buf.append((self._clock(), event, queue, None, group_id, None, None, reason, None))
+
+    @property
+    def _seq(self) -> int:
+        """The last seq given (records buffered, dropped, taken)."""
+        return self._first + len(self._buf) + self._gap - 1
 
     def set_owner_epoch(self, epoch: int) -> None:
         """Records from the next event on carry this owner epoch (the cluster calls
@@ -319,7 +339,7 @@ class DeliveryLogWriter:
     def forget(self, producer: BlockedProducer) -> None:
         self._blocked.discard(producer)
 
-    def take_batch(self) -> list[Row] | None:
+    def take_batch(self) -> Batch | None:
         """Everything buffered (None when empty); resumes blocked producers."""
         if self._dropping > 0:
             log.warning(
@@ -327,14 +347,18 @@ class DeliveryLogWriter:
             )
             self._dropping = 0
         buf = self._buf
+        if buf:
+            buf.first_seq = self._first
+            buf.explicit = self._explicit
+            self._explicit = []
+            self._buf = Batch()
+        self._first += len(buf) + self._gap
+        self._gap = 0
         if self._blocked:
             blocked = list(self._blocked)
             self._blocked.clear()
-            self._buf = []
             for p in blocked:
                 p.resume()
-        elif buf:
-            self._buf = []
         return buf or None
 
     def statistics(self) -> dict[str, Any]:
@@ -353,27 +377,32 @@ class DeliveryLogWriter:
 
     # ------------------------------------------------------- thread side
     def write_batch(self, batch: list[Row]) -> None:
+        # a plain list: an empty one, or rows numbered from 1 (tests)
         """Append a batch to the current file (worker thread); rotate and bound.
 
         The batch is written in chunks sized from the bytes per record seen so far
         (about an eighth of `rotate_bytes` each), so a file passes `rotate_bytes` by
         at most one chunk whatever the batch size."""
+        if not isinstance(batch, Batch):
+            batch = Batch(batch)
         if self._use_child:
             self._write_child(batch)
             return
+        seqs = batch.seqs()
         i = 0
         n = len(batch)
         while i < n:
             chunk = batch[i : i + self._chunk]
+            chunk_seqs = seqs[i : i + self._chunk]
             i += len(chunk)
             if self._cur is None:
-                self._start(chunk[0][0])
+                self._start(chunk_seqs[0])
             f = self._cur_file
             before = f.tell()
             if self.format == "parquet":
-                self._cur_writer.write_table(self._table(chunk))
+                self._cur_writer.write_table(self._table(chunk, chunk_seqs))
             else:
-                f.write(self._lines(chunk))
+                f.write(self._lines(chunk, chunk_seqs))
                 f.flush()
             self.written += len(chunk)
             size = f.tell()
@@ -395,7 +424,7 @@ class DeliveryLogWriter:
         if self._cur is not None:
             self._finish()
 
-    def _write_child(self, batch: list[Row]) -> None:
+    def _write_child(self, batch: Batch) -> None:
         if self.off:
             self.dropped += len(batch)
             return
@@ -537,16 +566,18 @@ class DeliveryLogWriter:
                 p.unlink()
             total -= n
 
-    def _table(self, batch: list[Row]) -> Any:
+    def _table(self, batch: list[Row], seqs: list[int]) -> Any:
         """The batch as an Arrow table: transposed with zip (C speed), converted and
         computed column-wise by pyarrow."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         # one pass per column (zip(*batch) would allocate an iterator per row)
-        seqs, ts, ev, queues, mids, producers, gids, gseqs, cons, outcomes, dcs = (
-            list(map(itemgetter(k), batch)) for k in range(11)
+        ts, ev, queues, traces, gids, gseqs, cons, outcomes, dcs = (
+            list(map(itemgetter(k), batch)) for k in range(9)
         )
+        mids = [None if t is None else t[0] for t in traces]
+        producers = [None if t is None else t[1] for t in traces]
         n = len(batch)
         gid = pa.array(gids, type=pa.string())
         gseq = pa.array(gseqs, type=pa.int64())
@@ -574,15 +605,15 @@ class DeliveryLogWriter:
         }
         return pa.Table.from_arrays([cols[f] for f in fmt.FIELD_NAMES], schema=self._schema)
 
-    def _lines(self, batch: list[Row]) -> str:
+    def _lines(self, batch: list[Row], seqs: list[int]) -> str:
         node = self.node
         events = fmt.EVENTS
         dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
         out = []
-        epochs = self._epochs_of([row[0] for row in batch])
-        for i, (seq, t, ev, queue, mid, producer, gid, gseq, consumer, outcome, dc) in enumerate(
-            batch
-        ):
+        epochs = self._epochs_of(seqs)
+        for i, (t, ev, queue, tr, gid, gseq, consumer, outcome, dc) in enumerate(batch):
+            seq = seqs[i]
+            mid, producer = (None, None) if tr is None else tr
             out.append(
                 dumps(
                     {
@@ -665,9 +696,10 @@ class ChildWriter:
         self._worker.write_frame(self._stdin, obj)
         self._reply()
 
-    def write(self, epochs: list[tuple[int, int]], batch: list[Row]) -> None:
-        # a value marshal refuses raises ValueError before anything is sent
-        self._request(("write", epochs, batch))
+    def write(self, epochs: list[tuple[int, int]], batch: Batch) -> None:
+        # a value marshal refuses raises ValueError before anything is sent (marshal
+        # takes exact lists only: the rows are copied, references only)
+        self._request(("write", epochs, batch.first_seq, batch.explicit, list(batch)))
 
     def close(self) -> None:
         """Publish the current file and stop the child."""

@@ -14,9 +14,10 @@ thread, its buffer fills, and the overflow policy applies as before).
 
 * ``("init", root, node, format, rotate_bytes, max_bytes)`` -> ``("ok", state)``:
   repairs what a dead child left (``.inprogress``), lists the closed files.
-* ``("write", epochs, batch)`` -> ``("ok", state)`` or ``("error", text, state)``
-  (after an error the current file is abandoned as in-process: published when it
-  still closes cleanly, else deleted).
+* ``("write", epochs, first seq, explicit seqs, rows)`` (a `Batch`) ->
+  ``("ok", state)`` or ``("error", text, state)`` (after an error the current file
+  is abandoned as in-process: published when it still closes cleanly, else
+  deleted).
 * ``("close",)`` -> ``("ok", state)``: publishes the current file.
 
 state = (written, [(path, size), ...] of closed files, a file is open).
@@ -58,7 +59,7 @@ def write_frame(f: IO[bytes], obj: Any) -> None:
 
 
 def main() -> int:
-    from amqbroker.store.delivery_log import DeliveryLogWriter
+    from amqbroker.store.delivery_log import Batch, DeliveryLogWriter
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -94,8 +95,11 @@ def main() -> int:
             write_frame(out, ("ok", state()))
         elif op == "write":
             assert w is not None
-            _, epochs, batch = msg
+            _, epochs, first_seq, explicit, rows = msg
             w._epochs = [tuple(e) for e in epochs]
+            batch = Batch(rows)
+            batch.first_seq = first_seq
+            batch.explicit = [tuple(e) for e in explicit]
             try:
                 w.write_batch(batch)
             except Exception as exc:

@@ -6,8 +6,10 @@ Theory of operation
 Two sides, like the journal's group commit:
 
 * event loop (`event`, `take_batch`): each event appends one tuple to an in-memory
-  buffer: the sequence number, the clock, the event code and the entry's fields read
-  at that moment (references, no formatting). When the buffer reaches a quarter of
+  buffer: the clock, the event code and the entry's fields read at that moment
+  (references, no formatting; only atomic values). The sequence
+  number is implicit (`Batch`: the first record's, plus the few markers buffered
+  after dropped records). When the buffer reaches a quarter of
   `buffer_records` the writer loop (`store.writer`) is woken (`wake`); it also takes the buffer
   every `flush_interval`.
 * worker thread (`write_batch`, `close`): turns a batch into columns (C-speed
@@ -20,8 +22,11 @@ Two sides, like the journal's group commit:
   and the encoding leave the broker's process; one batch in flight, so a slow child
   holds the thread and the overflow policy applies as before. A child that dies
   loses its batch and its unfinished file (an ERROR line, records counted as
-  dropped) and is restarted for the next batch; after `_CHILD_RETRIES` failures in a
-  row the delivery log is switched off (one ERROR line, records counted as dropped).
+  dropped) and is restarted for the next batch; after `child_failures`
+  (``delivery_log_child_failures``) failures in a row the delivery log is switched
+  off (one ERROR line, records counted as dropped). At shutdown the child is given
+  `child_exit_timeout` (``delivery_log_child_exit_timeout``) to publish its file and
+  exit, then killed.
 
 Overflow (`delivery_log_overflow`): at `buffer_records` buffered records, ``drop``
 discards new records (they still take a sequence number, so the audit sees the gap;
@@ -73,20 +78,16 @@ _INT32_MAX = (1 << 31) - 1
 #: Parquet columns written with a dictionary, and with statistics
 _DICTIONARY_COLUMNS = ["node", "event", "queue", "producer", "consumer", "outcome"]
 _STATISTICS_COLUMNS = ["seq", "ts_us"]
-#: child process failures in a row before the delivery log is switched off
-_CHILD_RETRIES = 3
 
-#: the entry's `Entry.trace`: (message-id text, producer id), shared by every record
-#: of a message (marshal sends it once per batch)
-Trace = tuple[str | None, str | None]
-#: one buffered event: time (epoch s), event code, queue, trace (None for markers),
+#: one buffered event: time (epoch s), event code, queue, message-id, producer,
 #: group id, group seq, consumer, outcome, delivery count (markers: group seq and
 #: delivery count None); its seq is implicit (`Batch`)
 Row = tuple[
     float,
     int,
     str | None,
-    Trace | None,
+    str | None,
+    str | None,
     str | None,
     int | None,
     str | None,
@@ -133,6 +134,8 @@ class DeliveryLogWriter:
         message_id: Callable[[bytes], str | None],
         wake: Callable[[], object] | None = None,
         child: bool | None = None,
+        child_failures: int = 3,
+        child_exit_timeout: float = 10.0,
     ) -> None:
         #: <data_dir>/delivery-log
         self.root = root
@@ -179,6 +182,10 @@ class DeliveryLogWriter:
         self._child: ChildWriter | None = None
         self._use_child = file_format == "parquet" if child is None else child
         self._child_failures = 0
+        #: failures of the child in a row before the log is switched off
+        self.child_failures = child_failures
+        #: seconds the child has to exit once its input is closed (then killed)
+        self.child_exit_timeout = child_exit_timeout
         self.off = False
 
     # ------------------------------------------------------------ start-up
@@ -195,7 +202,7 @@ class DeliveryLogWriter:
         self._first = last + 1
         # the boot marker: the audit tells a restarted node's producers (connection ids
         # start again at c1) from those of its previous life
-        self._buf.append((self._clock(), STARTED, None, None, None, None, None, None, None))
+        self._buf.append((self._clock(), STARTED, None, None, None, None, None, None, None, None))
         if self._use_child:
             self._child = ChildWriter(self)
 
@@ -277,14 +284,16 @@ class DeliveryLogWriter:
         tr = entry.trace
         if tr is None:
             tr = entry.trace = (self._mid(entry.data), None)
-        # only atomic values: the garbage collector stops tracking such tuples, so a
-        # full buffer does not make collections slower
+        # only atomic values (not the trace tuple itself): the garbage collector stops
+        # tracking such tuples at their first collection, so a full buffer does not
+        # make collections slower or more frequent
         buf.append(
             (
                 self._clock(),
                 event,
                 queue,
-                tr,
+                tr[0],
+                tr[1],
                 entry.group_id,
                 entry.group_seq,
                 None if consumer is None else consumer.log_id,
@@ -301,7 +310,7 @@ class DeliveryLogWriter:
         buf = self._buf
         if self._gap:
             self._explicit.append((len(buf), self._first + len(buf) + self._gap))
-        buf.append((self._clock(), event, queue, None, group_id, None, None, reason, None))
+        buf.append((self._clock(), event, queue, None, None, group_id, None, None, reason, None))
 
     @property
     def _seq(self) -> int:
@@ -463,13 +472,13 @@ class DeliveryLogWriter:
         """Count a failure; True when the log was switched off (then `lost` records
         are counted as dropped here)."""
         self._child_failures += 1
-        if self._child_failures < _CHILD_RETRIES:
+        if self._child_failures < self.child_failures:
             return False
         self._switch_off(lost, exc)
         return True
 
     def _switch_off(self, lost: int, exc: BaseException) -> None:
-        """The child failed `_CHILD_RETRIES` times in a row: stop logging (worker
+        """The child failed `child_failures` times in a row: stop logging (worker
         thread; every later record is counted as dropped)."""
         self.off = True
         self.dropped += lost
@@ -482,7 +491,7 @@ class DeliveryLogWriter:
             "the delivery log is switched off until the broker restarts (%d record(s) "
             "lost, every later one counted as dropped)",
             self.directory,
-            _CHILD_RETRIES,
+            self.child_failures,
             exc,
             lost,
         )
@@ -573,11 +582,9 @@ class DeliveryLogWriter:
         import pyarrow.compute as pc
 
         # one pass per column (zip(*batch) would allocate an iterator per row)
-        ts, ev, queues, traces, gids, gseqs, cons, outcomes, dcs = (
-            list(map(itemgetter(k), batch)) for k in range(9)
+        ts, ev, queues, mids, producers, gids, gseqs, cons, outcomes, dcs = (
+            list(map(itemgetter(k), batch)) for k in range(10)
         )
-        mids = [None if t is None else t[0] for t in traces]
-        producers = [None if t is None else t[1] for t in traces]
         n = len(batch)
         gid = pa.array(gids, type=pa.string())
         gseq = pa.array(gseqs, type=pa.int64())
@@ -611,9 +618,8 @@ class DeliveryLogWriter:
         dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
         out = []
         epochs = self._epochs_of(seqs)
-        for i, (t, ev, queue, tr, gid, gseq, consumer, outcome, dc) in enumerate(batch):
+        for i, (t, ev, queue, mid, producer, gid, gseq, consumer, outcome, dc) in enumerate(batch):
             seq = seqs[i]
-            mid, producer = (None, None) if tr is None else tr
             out.append(
                 dumps(
                     {
@@ -706,18 +712,19 @@ class ChildWriter:
         try:
             self._request(("close",))
         finally:
-            self.kill(wait=10.0)
+            self.kill()
 
-    def kill(self, wait: float = 0.0) -> None:
+    def kill(self) -> None:
         """Close the pipes (the child publishes its file and exits at the end of its
-        input); killed when it does not exit within `wait` seconds."""
+        input); killed when it does not exit within the writer's `child_exit_timeout`
+        seconds."""
         p = self._proc
         for f in (p.stdin, p.stdout):
             with contextlib.suppress(OSError):
                 if f is not None:
                     f.close()
         try:
-            p.wait(timeout=wait if wait > 0 else 2.0)
+            p.wait(timeout=self._w.child_exit_timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

@@ -124,10 +124,10 @@ def test_a_child_that_keeps_dying_switches_the_log_off(
     w = _writer(tmp_path)
     _always_dying(monkeypatch)
     with caplog.at_level(logging.ERROR, logger=mod.__name__):
-        for attempt in range(mod._CHILD_RETRIES):
+        for attempt in range(w.child_failures):
             _events(w, 10 * attempt, 10)
             batch = w.take_batch() or []
-            if attempt < mod._CHILD_RETRIES - 1:
+            if attempt < w.child_failures - 1:
                 with pytest.raises(OSError, match="died"):
                     w.write_batch(batch)  # the app logs these (ERROR, records lost)
             else:

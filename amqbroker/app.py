@@ -215,6 +215,8 @@ class BrokerApp:
                 max_bytes=s.delivery_log_max_bytes,
                 buffer_records=s.delivery_log_buffer_records,
                 overflow=s.delivery_log_overflow,
+                child_failures=s.delivery_log_child_failures,
+                child_exit_timeout=s.delivery_log_child_exit_timeout,
                 # wall-clock time (a C call, no Python frame): the audit compares
                 # timestamps across nodes
                 clock=time.time,

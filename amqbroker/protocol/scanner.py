@@ -1224,6 +1224,8 @@ def log_message_id(data: bytes) -> str | None:
                     return data[q + 2 : q + 2 + data[q + 1]].decode()
                 if c == 0xB1:
                     return data[q + 5 : q + 5 + _U32(data, q + 1)[0]].decode()
+                if c == 0x40:  # null: properties sent for other fields (a group id)
+                    return None
                 return message_id_text(message_id(data))
             if code > _PROPERTIES:
                 return None

@@ -187,6 +187,8 @@ class Settings(BaseSettings):
     delivery_log_buffer_records: ConfigInt = Field(default=200_000, ge=100)
     delivery_log_overflow: Literal["block", "drop"] = "block"
     delivery_log_flush_interval: ConfigFloat = Field(default=1.0, gt=0, le=3600)
+    delivery_log_child_failures: ConfigInt = Field(default=3, ge=1, le=1000)
+    delivery_log_child_exit_timeout: ConfigFloat = Field(default=10.0, gt=0, le=3600)
 
     # addresses
     address_settings: dict[AddressPattern, AddressSettings] = Field(

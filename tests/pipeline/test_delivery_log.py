@@ -437,3 +437,41 @@ def test_markers_boot_and_unbound(tmp_path: Path) -> None:
     assert rows[2]["group_seq"] is None and rows[2]["delivery_count"] is None
     # the reason of the release travels in the outcome column
     assert [r["outcome"] for r in rows if r["event"] == "unbound"] == ["node-lost"] * 2
+
+
+@pytest.mark.parametrize("file_format", ["jsonl", "parquet"])
+def test_seq_is_implicit_but_exact_around_drops_and_markers(
+    tmp_path: Path, file_format: str
+) -> None:
+    """Records carry no seq of their own (`Batch`): a marker buffered after dropped
+    records keeps the seq it was given, and the next batch continues after the gap."""
+    if file_format == "parquet":
+        pytest.importorskip("pyarrow.parquet")
+    w = DeliveryLogWriter(
+        tmp_path / "delivery-log",
+        file_format=file_format,
+        buffer_records=100,
+        overflow="drop",
+        clock=lambda: 1.5,
+        message_id=lambda data: data.decode(),
+    )
+    w.open("w1")  # started: seq 1
+    for i in range(99):
+        w.event(dl.ROUTED, "q", Entry(f"id{i}".encode()))  # seq 2-100
+    w.event(dl.ROUTED, "q", Entry(b"dropped"))  # 101, dropped
+    w.marker(dl.UNBOUND, "n/q", "g1", dl.UNBIND_IDLE)  # 102, kept
+    w.event(dl.ROUTED, "q", Entry(b"dropped"))  # 103, dropped
+    w.marker(dl.UNBOUND, "n/q", "g2", dl.UNBIND_IDLE)  # 104, kept
+    assert w.statistics()["seq"] == 104
+    w.set_owner_epoch(5)  # from 105 on
+    batch = w.take_batch()
+    assert batch is not None and len(batch) == 102
+    w.event(dl.ROUTED, "q", Entry(b"next"))  # 105
+    w.write_batch(batch)
+    w.write_batch(w.take_batch() or [])
+    w.close()
+    rows = read_log(tmp_path / "delivery-log" / "w1", markers=True)
+    assert [r["seq"] for r in rows] == [*range(1, 101), 102, 104, 105]
+    assert [r["group_id"] for r in rows[-3:]] == ["g1", "g2", None]
+    assert [r["owner_epoch"] for r in rows[-3:]] == [0, 0, 5]
+    assert w.statistics()["dropped"] == 2

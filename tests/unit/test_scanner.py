@@ -44,7 +44,9 @@ from amqbroker.protocol.scanner import (
     add_message_annotations,
     application_properties,
     jms_dest,
+    log_message_id,
     message_id,
+    message_id_text,
     scan,
     set_delivery_count,
 )
@@ -1376,6 +1378,24 @@ def test_message_id_types() -> None:
     assert message_id(props_list("44") + BODY) == 0
     with pytest.raises(ScanError, match="message-id"):
         message_id(props_list("41") + BODY)
+
+
+def test_log_message_id_agrees_with_message_id_text() -> None:
+    """The delivery log's fast path (string and null ids read in place) gives the
+    same text as the general decoder for every id type."""
+    samples = [
+        jms_text(id="abc"),
+        jms_text(id=ulong(2**64 - 1)),
+        jms_text(id=b"\x00\x01"),
+        jms_text(id=uuid.uuid4()),
+        jms_text(id=None, group_id="g1"),  # properties sent, message-id null
+        props_list("40") + BODY,
+        props_list("5307") + BODY,
+        BODY,
+    ]
+    for data in samples:
+        assert log_message_id(data) == message_id_text(message_id(data))
+    assert log_message_id(props_list("40") + BODY) is None
 
 
 def test_application_properties_exotic_values() -> None:

@@ -49,6 +49,8 @@ def format_row(r: dict[str, Any]) -> str:
             f"broker {_fmt(r['broker_cpu_pct'])}% CPU "
             f"{_fmt(r.get('broker_cpu_us_per_msg'), ' us/msg', 1)}"
         )
+        if r.get("broker_children_cpu_us_per_msg"):
+            parts.append(f"(children {_fmt(r['broker_children_cpu_us_per_msg'], ' us/msg', 1)})")
     if r.get("broker_rss_max_kb"):
         parts.append(f"RSS max {r['broker_rss_max_kb'] / 1024:.0f} MiB")
     if r.get("client_cpu_us_per_msg") is not None:
@@ -96,6 +98,7 @@ SUMMARY_KEYS = (
     "lat_p50_us",
     "lat_p99_us",
     "broker_cpu_us_per_msg",
+    "broker_children_cpu_us_per_msg",
     "client_cpu_us_per_msg",
     "hol_ungrouped_ms",
     "rss_per_group_bytes",

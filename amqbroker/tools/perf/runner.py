@@ -45,9 +45,11 @@ from amqbroker.tools.perf.report import (
     summary_table,
 )
 from amqbroker.tools.perf.stats import (
+    CLK_TCK,
     RssSampler,
     latency_summary,
     machine_busy_seconds,
+    parse_stat_cpu_ticks,
     proc_cmdline,
     proc_cpu_seconds,
     proc_rss_kb,
@@ -245,9 +247,30 @@ class Window:
         except OSError:
             return None
 
+    def _children_cpu(self) -> dict[int, float]:
+        """CPU seconds of the broker's live child processes (the delivery log's
+        Parquet writer, issue 22), by pid: reported on their own, not in the broker's
+        CPU (which counts the threads of the broker's process)."""
+        out: dict[int, float] = {}
+        if not self.pid:
+            return out
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            rest = text[text.rindex(")") + 2 :].split()
+            if int(rest[1]) == self.pid:
+                out[int(name)] = parse_stat_cpu_ticks(text) / CLK_TCK
+        return out
+
     def start(self) -> None:
         self.t0 = time.monotonic()
         self.b0 = self._broker_cpu()
+        self.k0 = self._children_cpu()
         self.c0 = self.fleet.cpu_seconds()
         self.m0 = machine_busy_seconds()
         self.rss0 = proc_rss_kb(self.pid) if self.pid else None
@@ -255,6 +278,7 @@ class Window:
     def end(self) -> None:
         self.t1 = time.monotonic()
         self.b1 = self._broker_cpu()
+        self.k1 = self._children_cpu()
         self.c1 = self.fleet.cpu_seconds()
         self.m1 = machine_busy_seconds()
         self.rss1 = proc_rss_kb(self.pid) if self.pid else None
@@ -262,6 +286,7 @@ class Window:
     def metrics(self, messages: int) -> dict[str, Any]:
         wall = max(self.t1 - self.t0, 1e-9)
         bcpu = None if self.b0 is None or self.b1 is None else self.b1 - self.b0
+        kcpu = sum(t - self.k0.get(pid, 0.0) for pid, t in self.k1.items())
         per_proc = [t - self.c0.get(pid, 0.0) for pid, t in self.c1.items()]
         ccpu = sum(per_proc)
         busiest = max(per_proc, default=0.0)
@@ -271,6 +296,8 @@ class Window:
             "wall_s": round(wall, 3),
             "broker_cpu_pct": None if bcpu is None else round(100 * bcpu / wall, 1),
             "broker_cpu_us_per_msg": None if bcpu is None else round(1e6 * bcpu / n, 2),
+            # the broker's child processes (not in broker_cpu_us_per_msg)
+            "broker_children_cpu_us_per_msg": round(1e6 * kcpu / n, 2),
             "client_cpu_pct": round(100 * ccpu / wall, 1),
             "client_cpu_us_per_msg": round(1e6 * ccpu / n, 2),
             # each client process on its own core could not go faster than this

@@ -90,6 +90,28 @@ def _boot(events: DataFrame, node: Column, seq: Column) -> Column:
     return boot
 
 
+def _next_start(events: DataFrame, node: Column, seq: Column) -> Column:
+    """The order key (owner_epoch, ts_us, node, seq) of the first ``started`` marker of
+    `node` after `seq` (the end of that record's boot), or null (1 action, as `_boot`)."""
+    from pyspark.sql import functions as F
+
+    starts = (
+        events.filter(F.col("event") == "started")
+        .select("node", "seq", "owner_epoch", "ts_us")
+        .collect()
+    )
+    nxt: Column = F.lit(None).cast("struct<owner_epoch:bigint,ts_us:bigint,node:string,seq:bigint>")
+    for r in sorted(starts, key=lambda r: -int(r["seq"])):  # the smallest is tested first
+        k = F.struct(
+            F.lit(r["owner_epoch"]).cast("bigint").alias("owner_epoch"),
+            F.lit(r["ts_us"]).cast("bigint").alias("ts_us"),
+            F.lit(r["node"]).cast("string").alias("node"),
+            F.lit(r["seq"]).cast("bigint").alias("seq"),
+        )
+        nxt = F.when((node == F.lit(r["node"])) & (seq < F.lit(r["seq"])), k).otherwise(nxt)
+    return nxt
+
+
 def _producer_messages(ev: DataFrame, slots: DataFrame) -> DataFrame:
     """The messages the producer-order checks compare (`amqbroker.pipeline.invariants`):
     each grouped message joined by message-id from its entry ``received`` (not on a
@@ -463,20 +485,24 @@ def findings(events: DataFrame, ev: DataFrame, slots: DataFrame, copies: DataFra
         )
     )
 
-    # two owners: deliveries as +1/-1 endpoints ordered by (epoch, time, node, seq)
+    # two owners: deliveries as +1/-1 endpoints ordered by (epoch, time, node, seq); a
+    # delivery its node's boot never closed (the node died) ends where the next boot
+    # starts: its consumers went with the process
     key = F.struct("owner_epoch", "ts_us", "node", "seq")
     w_slot = (
-        Window.partitionBy("node", "queue", "message_id")
+        Window.partitionBy("node", "queue", "message_id", "boot")
         .orderBy("seq")
         .rowsBetween(1, Window.unboundedFollowing)
     )
     d = (
         ev.filter(col("group_id").isNotNull() & ev_name.isin("dispatched", *CLOSING_EVENTS))
+        .withColumn("boot", _boot(events, col("node"), col("seq")))
         .withColumn(
             "close",
             F.first(F.when(ev_name.isin(*CLOSING_EVENTS), key), ignorenulls=True).over(w_slot),
         )
         .filter(is_("dispatched"))
+        .withColumn("close", F.coalesce(col("close"), _next_start(events, col("node"), col("seq"))))
         .withColumn("consumer", F.coalesce(col("consumer"), F.lit("")))
     )
     common = ["queue", "group_id", "consumer", "node", "seq", "message_id"]

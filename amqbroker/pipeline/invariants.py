@@ -116,7 +116,9 @@ producer_order_across_entry_nodes
     identity or a group, and late messages are not compared.
 two_owners
     per ``(queue, group)`` over all nodes: each ``dispatched`` opens a delivery that
-    the next ``settled`` or ``released`` of its slot closes; the deliveries' endpoints
+    the next ``settled`` or ``released`` of its slot in the same boot closes, or else
+    the node's next ``started`` marker (a process that died took its consumers and
+    their deliveries with it: the next boot delivers them afresh); the deliveries' endpoints
     (+1 at the dispatch, -1 at the close) are ordered by (K, dispatch seq). A
     *moment*: a dispatch while deliveries of the group to other consumers are open.
     The *owners* at an endpoint: the consumers holding an open delivery. An *episode*
@@ -511,6 +513,15 @@ def _two_owners(
         defaultdict(list)
     )
     for r in recs:
+        if r["event"] == "started":
+            # a new boot: what the node's previous process had delivered and never
+            # settled ends here (its consumers went with it)
+            for slot in [s for s in open_by_slot if s[0] == r["node"]]:
+                for d in open_by_slot.pop(slot):
+                    ends[(slot[1], d["group_id"])].append(
+                        ((order_key(r), d["seq"]), -1, d["consumer"] or "", d)
+                    )
+            continue
         if r["group_id"] is None or r["message_id"] is None:
             continue
         slot = (r["node"], r["queue"] or "", r["message_id"])

@@ -173,3 +173,32 @@ def test_grace_keeps_in_flight_messages_out_of_lost(clean):
     disp = {**new, "seq": tail + 1, "event": "dispatched", "consumer": "c0/recv"}
     assert check([*clean, new, disp]).lost == [("n1", "orders", "new")]
     assert check([*clean, new, disp], grace_us=1_000).lost == []
+
+
+def test_a_delivery_ends_with_the_boot_of_its_node():
+    """node3 delivers m1 of group g to c1 and dies before the outcome; its next boot
+    delivers m1 again, to another consumer, and then m2: one owner at a time. Without
+    the ``started`` marker of the new boot the first delivery would still be open."""
+
+    def rec(seq: int, ts: int, event: str, mid: str | None, **kw: object) -> dict:
+        r = L._rec("n3", event, "orders" if mid else None, mid or "", "g" if mid else None, 1)
+        r.update(seq=seq, ts_us=L.T0_US + ts, message_id=mid, **kw)
+        return r
+
+    log = [
+        rec(1, 0, "started", None),
+        rec(2, 1, "routed", "m1"),
+        rec(3, 2, "dispatched", "m1", consumer="c1/recv"),
+        rec(4, 10, "started", None),
+        rec(5, 11, "dispatched", "m1", consumer="c2/recv"),
+        rec(6, 12, "settled", "m1", consumer="c2/recv", outcome="accepted"),
+        rec(7, 13, "routed", "m2"),
+        rec(8, 14, "dispatched", "m2", consumer="c2/recv"),
+        rec(9, 15, "settled", "m2", consumer="c2/recv", outcome="accepted"),
+    ]
+    for r in log:
+        if r["event"] == "started":
+            r.update(group_id=None, group_seq=None, queue=None)
+    assert check(log).two_owners == []
+    no_restart = [r for r in log if not (r["event"] == "started" and r["seq"] == 4)]
+    assert len(check(no_restart).two_owners) == 1

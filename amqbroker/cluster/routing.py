@@ -45,7 +45,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -60,9 +60,6 @@ from amqbroker.core.broker import PENDING
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError
 from amqbroker.protocol.peer import PeerMessage, wrap_forward
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("amqbroker.cluster")
 

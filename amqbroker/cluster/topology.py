@@ -99,18 +99,11 @@ class BridgeConsumer(Consumer):
                 return  # link gone: the queue took the message back already
             if o == "lost" or self.unsettled.pop(id(entry), None) is None:
                 return  # lost: returned to the queue by the link's removal
-            awaiting = self.awaiting
             if o == "accepted":
                 q.ack(self, entry)
-                if awaiting:
-                    answer = awaiting.pop(entry.data, None)
-                    if answer is not None:
-                        answer(ROUTED)  # the owner has it: the producer may go on
+                self._answer(entry, ROUTED)  # the owner has it: the producer may go on
             elif o == "rejected":
-                if awaiting:
-                    answer = awaiting.pop(entry.data, None)
-                    if answer is not None:
-                        answer(ROUTED_SYNC)  # kept here: dead-lettered below
+                self._answer(entry, ROUTED_SYNC)  # kept here: dead-lettered below
                 log.warning(
                     "peer refused a forwarded message (%s); it goes to the dead letter "
                     "address of %s, if any",
@@ -125,6 +118,13 @@ class BridgeConsumer(Consumer):
             self.flush()
 
         self.sender.send(entry.data, outcome)
+
+    def _answer(self, entry: Entry, res: int) -> None:
+        """Answer the producer waiting for the peer's outcome of `entry`, if any."""
+        if self.awaiting:
+            answer = self.awaiting.pop(entry.data, None)
+            if answer is not None:
+                answer(res)
 
     def refresh_credit(self) -> None:
         self.credit = self.sender.credit

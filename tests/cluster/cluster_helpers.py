@@ -235,6 +235,18 @@ def audit_reference(cluster: Cluster, nodes: tuple[str, ...] = NODES) -> dict[st
     return check(records).counts()
 
 
+#: what the audit of a node-loss run must find none of
+CLEAN = (
+    "lost",
+    "order_violations",
+    "producer_order",
+    "producer_order_across_entry_nodes",
+    "two_owners",
+    "moves",
+    "late",
+)
+
+
 def findings(report: dict[str, Any]) -> dict[str, int]:
     """audit.json's counts: every invariant's and informational finding's."""
     out = {}

@@ -24,6 +24,7 @@ from proton import Delivery, Message
 
 from tests.client import ClientError, wait_until
 from tests.cluster.cluster_helpers import (
+    CLEAN,
     Cluster,
     Session,
     TcpProxy,
@@ -40,16 +41,6 @@ STALL_AT = 8  # rounds answered before the stall
 STALLED = 4  # rounds sent into the stalled link before node2 dies
 WAIT = 30.0
 PRODUCER = "moving-producer"
-#: what the audit must find none of
-CLEAN = (
-    "lost",
-    "order_violations",
-    "producer_order",
-    "producer_order_across_entry_nodes",
-    "two_owners",
-    "moves",
-    "late",
-)
 
 
 def body(g: str, k: int) -> str:

@@ -42,6 +42,7 @@ from proton import Delivery, Message
 
 from tests.client import Client, ClientError, Sender
 from tests.cluster.cluster_helpers import (
+    CLEAN,
     NODES,
     Cluster,
     Session,
@@ -60,16 +61,6 @@ pytestmark = pytest.mark.timeout(400)
 
 GROUPS = [f"g{i}" for i in range(12)]
 MOVER = "moving-producer"  # container-id and link name, kept across its failover
-#: what the audit must find none of
-CLEAN = (
-    "lost",
-    "order_violations",
-    "producer_order",
-    "producer_order_across_entry_nodes",
-    "two_owners",
-    "moves",
-    "late",
-)
 
 
 def gmsg(g: str, k: int, src: str) -> Message:

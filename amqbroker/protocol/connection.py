@@ -64,6 +64,16 @@ EV_TRANSPORT_ERROR = _EV.TRANSPORT_ERROR.number
 EV_TRANSPORT_CLOSED = _EV.TRANSPORT_CLOSED.number
 
 SOLE_CONNECTION = "sole-connection-for-container"
+#: the open property naming where a client may reconnect (Qpid JMS, Artemis):
+#: a list of maps {network-host, port}; the client keeps its own scheme
+FAILOVER_SERVER_LIST = symbol("failover-server-list")
+
+
+def failover_list(servers: list[tuple[str, int]]) -> list[dict[Any, Any]]:
+    """The ``failover-server-list`` value for (host, port) pairs."""
+    return [{symbol("network-host"): h, symbol("port"): p} for h, p in servers]
+
+
 _OFFERED = ("ANONYMOUS-RELAY", "DELAYED_DELIVERY", "SHARED-SUBS", SOLE_CONNECTION)
 
 
@@ -367,6 +377,10 @@ class AmqpConnection:
         c.container = self.limits.container_id
         c.offered_capabilities = proton.SymbolList([symbol(x) for x in _OFFERED])
         props: dict[Any, Any] = {symbol("product"): "amqbroker", symbol("version"): __version__}
+        if self.limits.failover_servers is not None:
+            servers = self.limits.failover_servers()
+            if servers:
+                props[FAILOVER_SERVER_LIST] = failover_list(servers)
         c.properties = props
         container = self.remote_container or ""
         desired = {str(x) for x in (c.remote_desired_capabilities or ())}

@@ -45,6 +45,9 @@ class ConnectionLimits:
     #: tracing hooks (amqbroker.telemetry), None while tracing is off; see links.py
     route_tracer: Callable[..., None] | None = None
     dispatch_tracer: Callable[..., None] | None = None
+    #: the servers a client may fail over to (host, port), advertised in the open's
+    #: ``failover-server-list`` property (read by Qpid JMS); None = not advertised
+    failover_servers: Callable[[], list[tuple[str, int]]] | None = None
 
 
 class LinkHost(Protocol):

@@ -352,12 +352,17 @@ class ZkLease(ZkWorker[LeaseView]):
             self._prepared_session = session
         if synced is not None and self._my_node is None:
             znode_doc = {"member": self.member_id, "address": self.address}
-            self._my_node = client.create(
-                f"{self._members_path}/{MEMBER_PREFIX}",
-                json.dumps(znode_doc).encode(),
-                ephemeral=True,
-                sequence=True,
-            )
+            try:
+                self._my_node = client.create(
+                    f"{self._members_path}/{MEMBER_PREFIX}",
+                    json.dumps(znode_doc).encode(),
+                    ephemeral=True,
+                    sequence=True,
+                )
+            except NoNodeError:
+                self._prepared_session = None  # the path was deleted: create it again
+                self._wake.put("path gone")
+                return
             self._my_session = session
             log.info(
                 "HA lease of %s: member %s is eligible, its store complete for epoch %d",

@@ -104,7 +104,9 @@ class Pair:
         self.path = path
         self.members: dict[str, Member] = {}
 
-    async def join(self, name: str, synced: int | None, hosts: str | None = None) -> Member:
+    async def join(
+        self, name: str, synced: int | None, hosts: str | None = None, session_ms: int = SESSION_MS
+    ) -> Member:
         """Start member `name` (candidate with `synced` unless None), connected."""
         recorder = Recorder()
         lease = ZkLease(
@@ -114,7 +116,7 @@ class Pair:
             member_id(name),
             address(name),
             recorder,
-            session_timeout_ms=SESSION_MS,
+            session_timeout_ms=session_ms,
             connect_timeout=WAIT,
         )
         if synced is not None:
@@ -343,6 +345,47 @@ async def test_partitioned_live_stops_before_its_session_expires_and_the_standby
     assert a.view.eligible
     assert not await a.lease.confirm(1)
     assert a.recorder.live_epochs() == [1]
+
+
+async def test_live_whose_session_survives_a_suspension_takes_a_fresh_epoch(
+    pair: Pair,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+    nursery: trio.Nursery,
+) -> None:
+    """SUSPENDED (connection lost, session alive): on_lost at once; after the reconnect
+    the same session is still first and its store is the one of its epoch, so it is live
+    again, but under the next epoch (what it stamped before is fenced)."""
+    proxy = Partition(zookeeper.port)
+    await nursery.start(proxy.serve)
+    a = await pair.join("a", 0, hosts=proxy.hosts, session_ms=4000)
+    await a.wait(is_live(1), "a live")
+    b = await pair.join("b", 1)
+    await b.wait(standby_of("a", 1), "b standby")
+    session = a.lease.session()
+
+    proxy.cut = True
+    await a.wait(lambda v: v.role is LeaseRole.LOST, "a suspended")
+    proxy.heal()  # well within the 4 s session
+    await a.wait(is_live(2), "a live again, fresh epoch")
+    assert a.lease.session() == session  # the same session: no expiry happened
+    assert [k for k, *_ in a.recorder.events] == ["live", "lost", "live"]
+    assert a.recorder.live_epochs() == [1, 2]
+    await b.wait(standby_of("a", 2), "b follows the new epoch")
+    assert b.lease.fence.current == 2 and not b.lease.fence.check(1)
+    assert b.lease.synced_epoch == 1  # b's copy is of epoch 1 until it says otherwise
+    assert b.recorder.live_epochs() == []
+
+
+async def test_a_primary_restarting_on_its_own_store_takes_the_next_epoch(
+    pair: Pair, tmp_path: Path
+) -> None:
+    a = await pair.join("a", 0)
+    await a.wait(is_live(1), "a live")
+    save_served_epoch(tmp_path, a.view.epoch)  # what the broker does on on_live
+    a.leave()  # a clean stop: nobody else is eligible, epoch 1 stays
+    again = await pair.join("a", load_served_epoch(tmp_path))  # same member id
+    await again.wait(is_live(2), "the restarted primary is live")
+    assert again.lease.synced_epoch == 2
 
 
 async def test_a_stale_member_alone_never_becomes_live(

@@ -180,7 +180,14 @@ class LeaseView:
 
 
 class LeaseEvents(Protocol):
-    """Receives the lease's changes, on the trio thread."""
+    """Receives the lease's changes, on the trio thread, in order.
+
+    ``on_live(epoch)``: this member is live under `epoch` (save it with
+    `save_served_epoch`, then serve). ``on_standby(live_member, live_address, epoch)``:
+    another member is live (None: nobody right now); a live member that gets it stops
+    serving. ``on_lost()``: no trustworthy ZooKeeper session (SUSPENDED or LOST); a live
+    member stops serving at once, a standby just waits.
+    """
 
     def on_live(self, epoch: int) -> None: ...
     def on_standby(self, live_member: str | None, live_address: str | None, epoch: int) -> None: ...
@@ -270,8 +277,9 @@ class ZkLease(ZkWorker[LeaseView]):
         self._wake.put("candidate")
 
     def withdraw(self) -> None:
-        """Stop being eligible: the member znode is deleted (a live member steps down
-        and is told ``on_standby``; the next member may take over)."""
+        """Stop being eligible: the member znode is deleted (a live member must stop
+        serving first; it is then told ``on_standby`` and the next member may take
+        over)."""
         with self._lock:
             self._synced = None
         self._wake.put("withdraw")
@@ -372,16 +380,16 @@ class ZkLease(ZkWorker[LeaseView]):
             )
         my_name = None if self._my_node is None else self._my_node.rsplit("/", 1)[1]
 
-        listed = self._children(self._members_path)
-        if listed is None:
-            return
-        children, data = listed
         try:
+            listed = self._children(self._members_path)
+            if listed is None:
+                return
             current = read_epoch(client, self._epoch_path, self._watch, _EPOCH_HINT)
         except NoNodeError:
             self._prepared_session = None  # deleted (by an operator?): create it again
-            self._wake.put("epoch gone")
+            self._wake.put("path gone")
             return
+        children, data = listed
         self.fence.raise_to(current.epoch)
         if my_name is not None and my_name not in children:
             self._my_node = None  # deleted under us (by an operator?): join again

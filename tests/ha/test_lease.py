@@ -424,6 +424,37 @@ async def test_withdraw_of_the_live_hands_over_to_an_in_sync_standby(pair: Pair)
     assert not await a.lease.confirm(1)
 
 
+async def test_znodes_deleted_under_a_live_member_end_its_lease_and_it_never_bootstraps(
+    pair: Pair,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator wipes the pair's znodes: the epoch restarts at 0, which the live's
+    store (epoch 1) is newer than; it stops being live and says so, never serving
+    under a reset epoch."""
+    from kazoo.client import KazooClient
+
+    caplog.set_level(logging.INFO, logger="amqbroker.ha.lease")
+    a = await pair.join("a", 0)
+    await a.wait(is_live(1), "a live")
+
+    def wipe() -> None:
+        c = KazooClient(hosts=zookeeper.hosts, timeout=5.0)
+        c.start(timeout=10)
+        try:
+            c.delete(a.lease.path, recursive=True)
+        finally:
+            c.stop()
+            c.close()
+
+    await trio.to_thread.run_sync(wipe)
+    await a.wait(lambda v: v.role is LeaseRole.STANDBY and v.eligible, "a recreated, not live")
+    await a.wait(standby_of(None, 0), "epoch 0, nobody live")
+    assert not await a.lease.confirm(1)
+    assert a.recorder.live_epochs() == [1]
+    assert any("was ZooKeeper's data reset?" in r.getMessage() for r in caplog.records)
+
+
 async def test_members_racing_for_the_first_epoch_one_wins(pair: Pair) -> None:
     ms: list[Member] = []
 

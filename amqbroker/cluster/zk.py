@@ -198,6 +198,7 @@ class ZkWorker(Generic[V]):
         session_timeout_ms: int,
         reconnect_max_delay_ms: int,
         connect_timeout: float | None = None,
+        fast_lost: bool = False,
     ) -> None:
         self.hosts = hosts
         self.view = view
@@ -210,8 +211,16 @@ class ZkWorker(Generic[V]):
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self._my_node: str | None = None
-        self._deliver: Callable[[V], None] | None = None
+        self._deliver: Callable[[tuple[V, int]], None] | None = None
         self._last: V = view  # published last (worker thread)
+        # connection generation: +1 at every kazoo state change (kazoo's thread)
+        self._gen = 0
+        self._gen_lock = threading.Lock()
+        self._eval_gen = 0  # the generation the worker's evaluation started in
+        self._last_gen = 0  # the generation of the view published last
+        self._fast_lost = fast_lost
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._lost_gen = 0  # trio side: views of older generations are stale
 
     # --------------------------------------------------------------- subclass API
 
@@ -228,19 +237,24 @@ class ZkWorker(Generic[V]):
         """Worker thread: log a published view that differs from the previous one."""
 
     def _publish(self, view: V) -> None:
-        """Worker thread: hand `view` to trio unless it is the one published last."""
-        if view == self._last:
+        """Worker thread: hand `view` to trio unless it is the one published last in
+        this connection generation."""
+        gen = self._eval_gen
+        if view == self._last and gen == self._last_gen:
             return
-        self._log_change(view, self._last)
-        self._last = view
+        if view != self._last:
+            self._log_change(view, self._last)
+        self._last, self._last_gen = view, gen
         if self._deliver is not None:
-            self._deliver(view)
+            self._deliver((view, gen))
 
     def _session_or_lost(self) -> int | None:
         """Worker thread: the session id while CONNECTED; otherwise publish the lost
         view (None: evaluate nothing, the listener wakes us on reconnection)."""
         from kazoo.protocol.states import KazooState
 
+        with self._gen_lock:
+            self._eval_gen = self._gen  # before the state: a change after it is newer
         client = self._client
         if client.state != KazooState.CONNECTED:
             self._publish(self._lost_view())
@@ -287,10 +301,10 @@ class ZkWorker(Generic[V]):
         """Participate until cancelled. With a connect timeout, ``started`` waits until
         the first evaluation on a connected client, and `run` raises ``_unreachable()``
         if that does not come in time."""
-        send, receive = trio.open_memory_channel[V](VIEW_CHANNEL_SIZE)
-        token = trio.lowlevel.current_trio_token()
+        send, receive = trio.open_memory_channel[tuple[V, int]](VIEW_CHANNEL_SIZE)
+        token = self._token = trio.lowlevel.current_trio_token()
 
-        def deliver(view: V) -> None:  # on the worker thread
+        def deliver(view: tuple[V, int]) -> None:  # on the worker thread
             # waits while the channel is full (no change is dropped, order is kept);
             # once run() has ended nobody listens any more: the view is dropped
             with contextlib.suppress(
@@ -312,21 +326,25 @@ class ZkWorker(Generic[V]):
                     task_status.started()
                 else:
                     with trio.move_on_after(self._connect_timeout):
-                        async for view in receive:
-                            self._apply(view)
-                            if self._connected(view):
+                        async for view, gen in receive:
+                            self._apply(view, gen)
+                            if self._connected(self.view):
                                 break
                     if not self._connected(self.view):
                         raise self._unreachable()
                     task_status.started()
-                async for view in receive:
-                    self._apply(view)
+                async for view, gen in receive:
+                    self._apply(view, gen)
         finally:
+            self._token = None
             self._wake.put(_STOP)
             with trio.CancelScope(shield=True), trio.move_on_after(self._session_timeout + 5):
-                await trio.to_thread.run_sync(self._thread.join)
+                # abandoned when the bound runs out (a daemon thread stuck in kazoo)
+                await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
 
-    def _apply(self, view: V) -> None:
+    def _apply(self, view: V, gen: int) -> None:
+        if gen < self._lost_gen and self._connected(view):
+            return  # evaluated before a connection loss trio already applied: stale
         old, self.view = self.view, view
         if view != old:
             self._dispatch(view, old)
@@ -378,7 +396,7 @@ class ZkWorker(Generic[V]):
             logger=logging.getLogger("amqbroker.cluster.kazoo"),
         )
         self._client = client
-        client.add_listener(self._wake.put)  # the new state, as a wake-up
+        client.add_listener(self._on_state)
         client.start_async()
         try:
             while True:
@@ -400,6 +418,24 @@ class ZkWorker(Generic[V]):
 
     def _watch(self, _event: object) -> None:  # kazoo's event thread: never block
         self._wake.put("watch")
+
+    def _on_state(self, state: object) -> None:  # kazoo's thread: never block
+        from kazoo.protocol.states import KazooState
+
+        with self._gen_lock:
+            self._gen += 1
+            gen = self._gen
+        self._wake.put(state)  # the new state, as a wake-up
+        token = self._token
+        if self._fast_lost and state != KazooState.CONNECTED and token is not None:
+            # the worker may be blocked in a kazoo call queued while disconnected:
+            # trio hears of the loss now, not when that call returns
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._lost_now, gen)
+
+    def _lost_now(self, gen: int) -> None:  # trio thread
+        self._lost_gen = max(self._lost_gen, gen)
+        self._apply(self._lost_view(), gen)
 
     def _on_zk_error(self, exc: Exception) -> None:
         from kazoo.exceptions import ConnectionLoss, SessionExpiredError, ZookeeperError

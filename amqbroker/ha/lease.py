@@ -47,6 +47,10 @@ Invariants
   silent for two thirds of the session timeout, before the server can expire the
   session and let the backup in; a paused process learns it only when it resumes, so
   before answering a send no backup acknowledged the caller asks `ZkLease.confirm`.
+  The loss goes from kazoo's connection listener straight to the trio thread
+  (``run_sync_soon``), not through the worker, which may be blocked in a call queued
+  while disconnected; every view carries the connection generation it was evaluated
+  in, and trio drops a connected view older than a loss it has applied.
 * After a reconnect a member re-evaluates and becomes live again only by the rule
   above, with a fresh epoch (its own store is complete for the epoch it served under,
   so a live whose session survived a SUSPENDED simply takes the next epoch).
@@ -243,6 +247,7 @@ class ZkLease(ZkWorker[LeaseView]):
             session_timeout_ms=session_timeout_ms,
             reconnect_max_delay_ms=reconnect_max_delay_ms,
             connect_timeout=connect_timeout,
+            fast_lost=True,
         )
         self.path = lease_path(path.rstrip("/") or "/amqbroker", node_id)
         self.node_id = node_id
@@ -257,6 +262,7 @@ class ZkLease(ZkWorker[LeaseView]):
         self._my_session: int | None = None
         self._prepared_session: int | None = None
         self._live_epoch = 0  # the epoch of our current live period, 0 if not live
+        self._live_gen = 0  # the connection generation it was taken in
         self._refused: tuple[int, int] | None = None  # (epoch, synced) last logged
 
     # ------------------------------------------------------------------ trio side
@@ -398,7 +404,12 @@ class ZkLease(ZkWorker[LeaseView]):
         members = [_member_id(d) for d in data]
 
         if my_name is not None and synced is not None and children[0] == my_name:
-            if self._live_epoch and current.epoch == self._live_epoch and current.znode == my_name:
+            if (
+                self._live_epoch
+                and self._live_gen == self._eval_gen  # no connection change since
+                and current.epoch == self._live_epoch
+                and current.znode == my_name
+            ):
                 self._publish_live(current.epoch, members)
                 return
             if current.epoch == synced:
@@ -423,7 +434,7 @@ class ZkLease(ZkWorker[LeaseView]):
         )
 
     def _publish_live(self, epoch: int, members: list[str]) -> None:
-        self._live_epoch = epoch
+        self._live_epoch, self._live_gen = epoch, self._eval_gen
         self._publish(
             LeaseView(LeaseRole.LIVE, epoch, self.member_id, self.address, True, tuple(members))
         )

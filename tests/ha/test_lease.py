@@ -7,8 +7,11 @@ and fails the test when it runs out.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,6 +350,47 @@ async def test_partitioned_live_stops_before_its_session_expires_and_the_standby
     assert a.recorder.live_epochs() == [1]
 
 
+async def test_the_loss_reaches_trio_while_the_worker_is_stuck_in_an_evaluation(
+    pair: Pair,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+    nursery: trio.Nursery,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker can be blocked in a kazoo call queued while disconnected: on_lost
+    comes from the connection listener anyway, and what the worker evaluated before
+    the loss is dropped as stale."""
+    proxy = Partition(zookeeper.port)
+    await nursery.start(proxy.serve)
+    a = await pair.join("a", 0, hosts=proxy.hosts)
+    await a.wait(is_live(1), "a live")
+    gate, stalled = threading.Event(), threading.Event()
+    original = a.lease._session_or_lost
+
+    def stall() -> int | None:
+        session = original()  # connected: the evaluation's generation is taken
+        stalled.set()
+        gate.wait(WAIT)
+        return session
+
+    monkeypatch.setattr(a.lease, "_session_or_lost", stall)
+    try:
+        b = await pair.join("b", 1)  # a's worker wakes (members changed) and stalls
+        with trio.fail_after(WAIT):
+            await trio.to_thread.run_sync(stalled.wait)
+        proxy.cut = True
+        await a.wait(lambda v: v.role is LeaseRole.LOST, "a lost, worker stuck")
+        assert not gate.is_set()
+        await b.wait(is_live(2), "b takes over")
+        assert a.recorder.first("lost") < b.recorder.first("live", 2)
+    finally:
+        monkeypatch.setattr(a.lease, "_session_or_lost", original)
+        gate.set()
+    proxy.heal()
+    await a.wait(standby_of("b", 2), "a standby of b")
+    assert a.recorder.live_epochs() == [1]
+    assert [k for k, *_ in a.recorder.events][:2] == ["live", "lost"]
+
+
 async def test_live_whose_session_survives_a_suspension_takes_a_fresh_epoch(
     pair: Pair,
     zookeeper: ZooKeeperServer,  # noqa: F811
@@ -357,7 +401,7 @@ async def test_live_whose_session_survives_a_suspension_takes_a_fresh_epoch(
     again, but under the next epoch (what it stamped before is fenced)."""
     proxy = Partition(zookeeper.port)
     await nursery.start(proxy.serve)
-    a = await pair.join("a", 0, hosts=proxy.hosts, session_ms=4000)
+    a = await pair.join("a", 0, hosts=proxy.hosts, session_ms=6000)
     await a.wait(is_live(1), "a live")
     b = await pair.join("b", 1)
     await b.wait(standby_of("a", 1), "b standby")
@@ -365,7 +409,7 @@ async def test_live_whose_session_survives_a_suspension_takes_a_fresh_epoch(
 
     proxy.cut = True
     await a.wait(lambda v: v.role is LeaseRole.LOST, "a suspended")
-    proxy.heal()  # well within the 4 s session
+    proxy.heal()  # SUSPENDED after 4 s: 2 s left of the session
     await a.wait(is_live(2), "a live again, fresh epoch")
     assert a.lease.session() == session  # the same session: no expiry happened
     assert [k for k, *_ in a.recorder.events] == ["live", "lost", "live"]
@@ -439,13 +483,23 @@ async def test_znodes_deleted_under_a_live_member_end_its_lease_and_it_never_boo
     await a.wait(is_live(1), "a live")
 
     def wipe() -> None:
+        from kazoo.exceptions import NoNodeError, NotEmptyError
+
         c = KazooClient(hosts=zookeeper.hosts, timeout=5.0)
         c.start(timeout=10)
         try:
-            c.delete(a.lease.path, recursive=True)
+            with contextlib.suppress(NotEmptyError):  # a recreates what is deleted
+                c.delete(a.lease.path, recursive=True)
+            for _ in range(100):
+                with contextlib.suppress(NoNodeError, NotEmptyError):
+                    if json.loads(c.get(f"{a.lease.path}/epoch")[0])["epoch"] == 0:
+                        return  # wiped and recreated by a
+                    c.delete(a.lease.path, recursive=True)
+                time.sleep(0.05)
         finally:
             c.stop()
             c.close()
+        raise AssertionError("could not wipe the pair's znodes")
 
     await trio.to_thread.run_sync(wipe)
     await a.wait(lambda v: v.role is LeaseRole.STANDBY and v.eligible, "a recreated, not live")

@@ -13,7 +13,15 @@ is live (`amqbroker.ha.lease`). Both follow one pattern, implemented here once:
   channel of `VIEW_CHANNEL_SIZE` views (the worker waits for room: nothing is dropped,
   order is kept) and calls the subclass's ``_dispatch`` for every change, on the trio
   thread. Cancelling `run` leaves: the worker deletes its own znode (so the next in line
-  takes over at once), closes the client and ends.
+  takes over at once), closes the client and ends (waited for within the session
+  timeout plus 5 s, then abandoned: it is a daemon thread).
+* every kazoo state change starts a new *connection generation*; each view carries the
+  generation its evaluation started in. With ``fast_lost`` (the HA lease), a change to
+  SUSPENDED or LOST also goes from kazoo's listener straight to the trio thread
+  (``run_sync_soon``, which never blocks), which applies the lost view at once: the
+  worker may be blocked meanwhile in a call it queued just after the connection
+  dropped (kazoo answers such a call only after a reconnection). A connected view of an
+  older generation that arrives after that is stale and dropped.
 * an *epoch znode* holds a JSON document with at least ``{"epoch": n, "znode": name}``:
   the epoch and the ephemeral znode of the participant that took it. It is only ever
   rewritten by `commit_epoch`: one transaction that checks that the writer's own

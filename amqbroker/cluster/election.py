@@ -41,7 +41,9 @@ order. When the channel is full the worker waits for room (it blocks on no lock 
 trio thread needs), so no change is dropped; changes pile up only while the trio
 thread is stalled, and ZooKeeper's wake-ups wait in the worker's queue meanwhile. The
 `Fence` is shared: the worker raises it (under a lock) as soon as ZooKeeper shows a
-higher epoch, before trio hears about it.
+higher epoch, before trio hears about it. The thread, the channel, the `Fence` and the
+epoch's compare-and-set live in `amqbroker.cluster.zk`, shared with the HA lease
+(`amqbroker.ha.lease`).
 
 Invariants
 ----------
@@ -68,17 +70,19 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib.util
 import json
 import logging
-import queue
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import trio
 
+from amqbroker.cluster.zk import (
+    Fence,
+    ZkWorker,
+    kazoo_installed,
+    read_epoch,
+)
 from amqbroker.core.errors import LocalError
 
 if TYPE_CHECKING:
@@ -100,11 +104,6 @@ __all__ = [
 log = logging.getLogger("amqbroker.cluster.election")
 
 ELECTION_PREFIX: Final = "n_"
-#: role changes waiting for the trio thread (`ZkElection.run`); when full, the worker
-#: thread waits for room instead of dropping one
-VIEW_CHANNEL_SIZE: Final = 64
-#: first and largest delay between reconnection attempts to ZooKeeper, seconds
-RECONNECT_FIRST_DELAY: Final = 0.05
 
 
 def default_zookeeper_path(cluster_name: str = "") -> str:
@@ -115,47 +114,6 @@ def default_zookeeper_path(cluster_name: str = "") -> str:
     """
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cluster_name) or "default"
     return f"/amqbroker/{safe}"
-
-
-# ------------------------------------------------------------------------------- fence
-
-
-class Fence:
-    """The highest arbiter epoch this node knows of; refuses anything older.
-
-    Call `check` with the epoch of every arbiter answer or replicated decision that
-    arrives, and on the arbiter before it persists or answers a decision with its own
-    epoch: False means a newer arbiter exists and the message must be ignored (or the
-    decision abandoned). A higher epoch seen in a message raises the fence too, since
-    epochs only come from ZooKeeper. Thread-safe (the election's worker raises it).
-    """
-
-    __slots__ = ("_current", "_lock")
-
-    def __init__(self, epoch: int = 0) -> None:
-        self._current = epoch
-        self._lock = threading.Lock()
-
-    @property
-    def current(self) -> int:
-        return self._current
-
-    def check(self, epoch: int) -> bool:
-        """True if `epoch` is current (raising the fence to it); False if it is fenced."""
-        with self._lock:
-            if epoch < self._current:
-                return False
-            self._current = epoch
-            return True
-
-    def raise_to(self, epoch: int) -> None:
-        """Learn of `epoch` (never lowers the fence)."""
-        with self._lock:
-            if epoch > self._current:
-                self._current = epoch
-
-    def __repr__(self) -> str:
-        return f"Fence(current={self._current})"
 
 
 # ------------------------------------------------------------------------- the events
@@ -296,21 +254,7 @@ class StaticElection:
 # ------------------------------------------------------------------- ZooKeeper election
 
 
-class _Stop:
-    pass
-
-
-_STOP: Final = _Stop()
-
-
-def _seq(name: str) -> int:
-    try:
-        return int(name.rsplit("_", 1)[1])
-    except (IndexError, ValueError):
-        return -1  # foreign child: sorts first, never ours; leaders are ours only
-
-
-class ZkElection:
+class ZkElection(ZkWorker[ElectionView]):
     """One node's participation in the arbiter election (see the module docstring).
 
     `run` (a trio task) starts the worker thread, reports each role change to
@@ -332,155 +276,50 @@ class ZkElection:
     ) -> None:
         if not hosts:
             raise ValueError("ZkElection needs ZooKeeper servers (cluster_zookeeper)")
-        self.hosts = hosts
+        self.fence = fence if fence is not None else Fence()
+        super().__init__(
+            hosts,
+            view=ElectionView(Role.LOST, self.fence.current, None),
+            thread_name=f"zk-election-{node_id}",
+            what="an election step",
+            session_timeout_ms=session_timeout_ms,
+            reconnect_max_delay_ms=reconnect_max_delay_ms,
+        )
         self.path = path.rstrip("/") or "/amqbroker"
         self.node_id = node_id
-        self.fence = fence if fence is not None else Fence()
-        self.view = ElectionView(Role.LOST, self.fence.current, None)
         self._events = events
-        self._session_timeout = session_timeout_ms / 1000
-        self._reconnect_max_delay = max(reconnect_max_delay_ms / 1000, RECONNECT_FIRST_DELAY)
         self._election = f"{self.path}/election"
         self._epoch_path = f"{self.path}/epoch"
         # worker-thread state
-        self._wake: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._client: Any = None
-        self._my_node: str | None = None  # full path of our election znode
         self._my_session: int | None = None
-        self._last: ElectionView = self.view
         self._leader_epoch = 0  # the epoch of our current leadership, 0 if not leading
-        self._deliver: Callable[[ElectionView], None] | None = None
 
     # ------------------------------------------------------------------ trio side
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        send, receive = trio.open_memory_channel[ElectionView](VIEW_CHANNEL_SIZE)
-        token = trio.lowlevel.current_trio_token()
-
-        def deliver(view: ElectionView) -> None:  # on the worker thread
-            # waits while the channel is full (no change is dropped, order is kept);
-            # once run() has ended nobody listens any more: the view is dropped
-            with contextlib.suppress(
-                trio.BrokenResourceError,
-                trio.ClosedResourceError,
-                trio.RunFinishedError,
-                trio.Cancelled,
-            ):
-                trio.from_thread.run(send.send, view, trio_token=token)
-
-        self._deliver = deliver
-        self._thread = threading.Thread(
-            target=self._thread_main, name=f"zk-election-{self.node_id}", daemon=True
-        )
-        self._thread.start()
-        task_status.started()
-        try:
-            async with receive:
-                async for view in receive:
-                    old, self.view = self.view, view
-                    if view != old:
-                        _dispatch(self._events, view, old)
-        finally:
-            self._wake.put(_STOP)
-            with trio.CancelScope(shield=True), trio.move_on_after(self._session_timeout + 5):
-                await trio.to_thread.run_sync(self._thread.join)
+    def _dispatch(self, view: ElectionView, old: ElectionView) -> None:
+        _dispatch(self._events, view, old)
 
     async def confirm(self, epoch: int) -> bool:
         """True if ZooKeeper still names this node's election znode as the leader of
         `epoch` (a sync and a read, in a worker thread, bounded by the session
         timeout). The arbiter asks before answering a decision it could not replicate:
         a resumed old arbiter whose session expired gets False."""
-
-        def check() -> bool:
-            from kazoo.protocol.states import KazooState
-
-            client, my_node = self._client, self._my_node
-            if client is None or my_node is None or client.state != KazooState.CONNECTED:
-                return False
-            try:
-                client.sync(self._epoch_path)
-                got, _leader, znode, _version = self._read_epoch(watch=False)
-                client.get(my_node)  # our own znode (our session) still exists
-            except Exception:
-                return False
-            return got == epoch and znode == my_node.rsplit("/", 1)[1]
-
-        with trio.move_on_after(self._session_timeout):
-            return await trio.to_thread.run_sync(check, abandon_on_cancel=True)
-        return False
-
-    def session(self) -> tuple[int, bytes] | None:
-        """The ZooKeeper (session id, password) while connected, else None."""
-        client = self._client
-        return None if client is None else client.client_id
+        return await self._check_in_worker(
+            lambda: self._confirm_epoch(self._epoch_path, epoch, _EPOCH_HINT)
+        )
 
     # ---------------------------------------------------------------- worker side
 
-    def _thread_main(self) -> None:
-        from kazoo.client import KazooClient
-        from kazoo.retry import KazooRetry
-
-        client = KazooClient(
-            hosts=self.hosts,
-            timeout=self._session_timeout,
-            connection_retry=KazooRetry(
-                max_tries=-1,
-                delay=RECONNECT_FIRST_DELAY,
-                backoff=2,
-                max_jitter=0.1,
-                max_delay=self._reconnect_max_delay,
-            ),
-            command_retry=KazooRetry(max_tries=0),
-            logger=logging.getLogger("amqbroker.cluster.kazoo"),
-        )
-        self._client = client
-        client.add_listener(self._wake.put)  # the new state, as a wake-up
-        client.start_async()
-        try:
-            while True:
-                item = self._wake.get()
-                stop = item is _STOP
-                while not stop:  # coalesce a burst of wake-ups into one evaluation
-                    try:
-                        stop = self._wake.get_nowait() is _STOP
-                    except queue.Empty:
-                        break
-                if stop:
-                    break
-                try:
-                    self._evaluate()
-                except Exception as exc:
-                    self._on_zk_error(exc)
-        finally:
-            self._leave(client)
-
-    def _watch(self, _event: object) -> None:  # kazoo's event thread: never block
-        self._wake.put("watch")
-
-    def _on_zk_error(self, exc: Exception) -> None:
-        from kazoo.exceptions import ConnectionLoss, SessionExpiredError, ZookeeperError
-
-        if isinstance(exc, ConnectionLoss | SessionExpiredError):
-            # the listener reports SUSPENDED / LOST and wakes us on reconnection
-            self._publish(ElectionView(Role.LOST, self.fence.current, None))
-        elif isinstance(exc, ZookeeperError):
-            log.warning(
-                "ZooKeeper refused an election step (%s: %s); retrying on the next change",
-                type(exc).__name__,
-                exc,
-            )
-            self._publish(ElectionView(Role.LOST, self.fence.current, None))
-        else:
-            log.exception("election evaluation failed")
-            self._publish(ElectionView(Role.LOST, self.fence.current, None))
+    def _lost_view(self) -> ElectionView:
+        return ElectionView(Role.LOST, self.fence.current, None)
 
     def _publish(self, view: ElectionView) -> None:
         if view.role is not Role.LEADER:
             self._leader_epoch = 0
-        if view == self._last:
-            return
-        if view.role is not self._last.role or view.leader_id != self._last.leader_id:
+        super()._publish(view)
+
+    def _log_change(self, view: ElectionView, old: ElectionView) -> None:
+        if view.role is not old.role or view.leader_id != old.leader_id:
             log.info(
                 "cluster arbiter election: %s is %s (leader %s, epoch %d)",
                 self.node_id,
@@ -488,33 +327,14 @@ class ZkElection:
                 view.leader_id,
                 view.epoch,
             )
-        self._last = view
-        if self._deliver is not None:
-            self._deliver(view)
-
-    def _read_epoch(self, watch: bool) -> tuple[int, str | None, str | None, int]:
-        data, stat = self._client.get(self._epoch_path, watch=self._watch if watch else None)
-        try:
-            doc = json.loads(data.decode("utf-8"))
-            return int(doc["epoch"]), doc.get("leader"), doc.get("znode"), stat.version
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise RuntimeError(
-                f"znode {self._epoch_path} does not hold an amqbroker epoch ({data[:60]!r}); "
-                "is cluster_zookeeper_path shared with another application?"
-            ) from None
 
     def _evaluate(self) -> None:
-        from kazoo.exceptions import NodeExistsError, NoNodeError
-        from kazoo.protocol.states import KazooState
+        from kazoo.exceptions import NodeExistsError
 
-        client = self._client
-        if client.state != KazooState.CONNECTED:
-            self._publish(ElectionView(Role.LOST, self.fence.current, None))
+        session = self._session_or_lost()
+        if session is None:
             return
-        client_id = client.client_id
-        if client_id is None:
-            return  # disconnected meanwhile: the listener wakes us again
-        session = client_id[0]
+        client = self._client
         if self._my_node is None or self._my_session != session:
             # first join, or the old session expired and took our znode with it
             client.ensure_path(self._election)
@@ -533,31 +353,25 @@ class ZkElection:
         assert self._my_node is not None
         my_name = self._my_node.rsplit("/", 1)[1]
 
-        children = sorted(
-            (c for c in client.get_children(self._election, watch=self._watch)),
-            key=_seq,
-        )
-        epoch, _epoch_leader, epoch_znode, version = self._read_epoch(watch=True)
+        listed = self._children(self._election)
+        if listed is None:
+            return
+        children, data = listed
+        current = read_epoch(client, self._epoch_path, self._watch, _EPOCH_HINT)
+        epoch, epoch_znode = current.epoch, current.znode
         self.fence.raise_to(epoch)
         if my_name not in children:
             # deleted under us (by an operator?): join again
             self._my_node = None
             self._wake.put("rejoin")
             return
-        members: list[str] = []
-        for child in children:
-            try:
-                data, _ = client.get(f"{self._election}/{child}")
-            except NoNodeError:
-                self._wake.put("vanished")  # gone meanwhile: evaluate again
-                return
-            members.append(data.decode("utf-8", "replace"))
+        members = [d.decode("utf-8", "replace") for d in data]
         backup_id = members[1] if len(members) > 1 else None
         index = children.index(my_name)
 
         if index == 0:
             if self._leader_epoch == 0 or epoch != self._leader_epoch or epoch_znode != my_name:
-                epoch = self._take_over(epoch, version, my_name)
+                epoch = self._take_over(epoch, current.version, my_name)
                 if epoch == 0:
                     return  # lost a race or the session: evaluated again on the wake-up
             self._leader_epoch = epoch
@@ -574,40 +388,16 @@ class ZkElection:
 
     def _take_over(self, epoch: int, version: int, my_name: str) -> int:
         """Bump the epoch if we are still in the election; the new epoch, or 0."""
-        from kazoo.exceptions import BadVersionError, NoNodeError, RolledBackError
-
         new = max(epoch, self.fence.current) + 1
-        doc = json.dumps({"epoch": new, "leader": self.node_id, "znode": my_name}).encode()
-        assert self._my_node is not None
-        tx = self._client.transaction()
-        tx.check(self._my_node, 0)  # our election znode exists (never rewritten)
-        tx.set_data(self._epoch_path, doc, version=version)
-        results = tx.commit()
-        if any(isinstance(r, BadVersionError | NoNodeError | RolledBackError) for r in results):
-            self._wake.put("retry")  # the epoch moved or our znode is gone: look again
+        doc = {"epoch": new, "leader": self.node_id, "znode": my_name}
+        if not self._commit_epoch(self._epoch_path, doc, version):
             return 0
-        failures = [r for r in results if isinstance(r, Exception)]
-        if failures:
-            raise failures[0]
         self.fence.raise_to(new)
         log.info("cluster arbiter: %s takes over with epoch %d", self.node_id, new)
         return new
 
-    def _leave(self, client: Any) -> None:
-        from kazoo.exceptions import KazooException
 
-        try:
-            if self._my_node is not None and client.connected:
-                client.delete(self._my_node)
-        except KazooException:
-            pass  # the session's end deletes it anyway
-        finally:
-            self._my_node = None
-            try:
-                client.stop()
-                client.close()
-            except Exception:
-                log.exception("closing the ZooKeeper client failed")
+_EPOCH_HINT: Final = "is cluster_zookeeper_path shared with another application?"
 
 
 class ElectionUnavailable(LocalError):
@@ -620,11 +410,7 @@ def zk_election(settings: Settings, role: ArbiterRoleLike, cluster_name: str = "
     Start it with ``await nursery.start(election.run)``; ``election.fence`` is the fence
     to check every arbiter answer and replicated decision against.
     """
-    try:
-        spec = importlib.util.find_spec("kazoo")
-    except (ImportError, ValueError):  # a broken or blocked install counts as missing
-        spec = None
-    if spec is None:
+    if not kazoo_installed():
         raise ElectionUnavailable(
             "cluster_zookeeper is set but the kazoo ZooKeeper client is not installed; "
             "install it (pip install kazoo, or reinstall amqbroker: it is a dependency) "

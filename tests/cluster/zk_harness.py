@@ -160,6 +160,17 @@ class ZooKeeperServer:
             proc.wait(timeout=STOP_TIMEOUT)
 
 
+def end_session(hosts: str, session: tuple[int, bytes]) -> None:
+    """End a client's ZooKeeper session from outside, as an expiry does: a second
+    client attaches to the same session (id, password) and closes it. Blocking."""
+    from kazoo.client import KazooClient
+
+    thief = KazooClient(hosts=hosts, client_id=session, timeout=2.0)
+    thief.start(timeout=5)
+    thief.stop()
+    thief.close()
+
+
 @pytest.fixture(scope="module")
 def zookeeper() -> Iterator[ZooKeeperServer]:
     reason = missing()

@@ -1,0 +1,1 @@
+"""High availability: a backup per node id, and the ZooKeeper lease that picks the live one."""

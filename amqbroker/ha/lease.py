@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
 
+import trio
+
 from amqbroker.cluster.zk import (
     EpochDoc,
     Fence,
@@ -181,6 +183,8 @@ class LeaseView:
     live_address: str | None
     eligible: bool = False  # this member has its member znode (it called candidate)
     members: tuple[str, ...] = field(default=())  # eligible member ids, in order
+    #: the eligible members' client addresses (host:port), in the same order
+    addresses: tuple[str, ...] = field(default=())
 
 
 class LeaseEvents(Protocol):
@@ -258,6 +262,8 @@ class ZkLease(ZkWorker[LeaseView]):
         self._epoch_path = f"{self.path}/epoch"
         self._lock = threading.Lock()
         self._synced: int | None = None  # None: not a candidate
+        self._bump_from: int | None = None  # bump asked for while live at this epoch
+        self._view_changed = trio.Event()  # set (and replaced) at every new view
         # worker-thread state
         self._my_session: int | None = None
         self._prepared_session: int | None = None
@@ -290,6 +296,26 @@ class ZkLease(ZkWorker[LeaseView]):
             self._synced = None
         self._wake.put("withdraw")
 
+    async def bump(self, epoch: int) -> int:
+        """While live at `epoch`, take the next epoch (the same compare-and-set as a
+        takeover), so that no copy complete only up to `epoch` can become live any
+        more. Call it before answering anything that no backup holds: a backup that
+        dropped out may still believe it is in sync. The new epoch; 0 when this member
+        is not live at `epoch` (any more), or no answer came within the session
+        timeout (the caller then stops serving)."""
+        with self._lock:
+            self._bump_from = epoch
+        self._wake.put("bump")
+        with trio.move_on_after(self._session_timeout):
+            while True:
+                v = self.view
+                if v.role is not LeaseRole.LIVE:
+                    return 0
+                if v.epoch > epoch:
+                    return v.epoch
+                await self._view_changed.wait()
+        return 0
+
     async def confirm(self, epoch: int) -> bool:
         """True if ZooKeeper (after a sync) still shows this member live at exactly
         `epoch` and its member znode still exists; False otherwise, and when no answer
@@ -300,6 +326,8 @@ class ZkLease(ZkWorker[LeaseView]):
         )
 
     def _dispatch(self, view: LeaseView, old: LeaseView) -> None:
+        self._view_changed.set()
+        self._view_changed = trio.Event()
         if _key(view) == _key(old):
             return
         if view.role is LeaseRole.LIVE:
@@ -402,6 +430,7 @@ class ZkLease(ZkWorker[LeaseView]):
             self._wake.put("rejoin")
             return
         members = [_member_id(d) for d in data]
+        addresses = [_member_address(d) for d in data]
 
         if my_name is not None and synced is not None and children[0] == my_name:
             if (
@@ -410,12 +439,19 @@ class ZkLease(ZkWorker[LeaseView]):
                 and current.epoch == self._live_epoch
                 and current.znode == my_name
             ):
-                self._publish_live(current.epoch, members)
+                with self._lock:
+                    bump_from, self._bump_from = self._bump_from, None
+                if bump_from == current.epoch:
+                    new = self._take_over(current, my_name)
+                    if new:
+                        self._publish_live(new, members, addresses)
+                    return  # 0: the epoch moved or our znode went: evaluated again
+                self._publish_live(current.epoch, members, addresses)
                 return
             if current.epoch == synced:
                 new = self._take_over(current, my_name)
                 if new:
-                    self._publish_live(new, members)
+                    self._publish_live(new, members, addresses)
                 return  # 0: lost a race or the session; evaluated again on the wake-up
             self._refuse(current.epoch, synced)
 
@@ -430,13 +466,22 @@ class ZkLease(ZkWorker[LeaseView]):
                 address if isinstance(address, str) else None,
                 my_name is not None,
                 tuple(members),
+                tuple(addresses),
             )
         )
 
-    def _publish_live(self, epoch: int, members: list[str]) -> None:
+    def _publish_live(self, epoch: int, members: list[str], addresses: list[str]) -> None:
         self._live_epoch, self._live_gen = epoch, self._eval_gen
         self._publish(
-            LeaseView(LeaseRole.LIVE, epoch, self.member_id, self.address, True, tuple(members))
+            LeaseView(
+                LeaseRole.LIVE,
+                epoch,
+                self.member_id,
+                self.address,
+                True,
+                tuple(members),
+                tuple(addresses),
+            )
         )
 
     def _take_over(self, current: EpochDoc, my_name: str) -> int:
@@ -480,6 +525,13 @@ class ZkLease(ZkWorker[LeaseView]):
             epoch,
             why,
         )
+
+
+def _member_address(data: bytes) -> str:
+    try:
+        return str(json.loads(data.decode("utf-8"))["address"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return ""
 
 
 def _member_id(data: bytes) -> str:

@@ -557,3 +557,35 @@ async def test_compare_and_set_of_one_epoch_version_commits_once(
     with trio.fail_after(WAIT):
         results = await trio.to_thread.run_sync(race)
     assert sorted(results) == [False, True]
+
+
+async def test_bump_of_a_live_that_lost_its_backup_fences_the_backups_copy(pair: Pair) -> None:
+    """A live whose backup dropped out takes the next epoch before it answers alone: the
+    backup's copy (complete for the old epoch only) can then never become live."""
+    a = await pair.join("a", 0)
+    await a.wait(is_live(1), "a live")
+    b = await pair.join("b", 1)
+    await b.wait(standby_of("a", 1), "b standby")
+    await a.wait(lambda v: v.addresses == (address("a"), address("b")), "a sees b's address")
+    with trio.fail_after(WAIT):
+        assert await a.lease.bump(1) == 2
+    assert a.view.role is LeaseRole.LIVE and a.view.epoch == 2
+    assert a.recorder.live_epochs() == [1, 2]
+    assert await a.lease.confirm(2) and not await a.lease.confirm(1)
+    with trio.fail_after(WAIT):
+        assert await a.lease.bump(1) == 2  # a repeated request: already past it
+    a.leave()  # the live dies: b is first but only a copy of epoch 1
+    await b.wait(standby_of(None, 2), "b standby, nobody live")
+    with trio.move_on_after(3 * SESSION_MS / 1000):
+        await b.wait(lambda v: v.role is LeaseRole.LIVE, "b must not take over")
+        pytest.fail("a backup whose copy missed epoch 2 took over")
+
+
+async def test_bump_by_a_member_that_is_not_live_is_refused(pair: Pair) -> None:
+    a = await pair.join("a", 0)
+    await a.wait(is_live(1), "a live")
+    b = await pair.join("b", 1)
+    await b.wait(standby_of("a", 1), "b standby")
+    with trio.fail_after(WAIT):
+        assert await b.lease.bump(1) == 0
+    assert a.view.epoch == 1 and await a.lease.confirm(1)

@@ -1,0 +1,58 @@
+"""The replication frame codec (`amqbroker.ha.stream`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from amqbroker.ha import stream as st
+from amqbroker.store.journal_segments import Batch
+from amqbroker.store.paging import PageBatch
+
+SID = bytes(range(16))
+
+
+def test_chunk_round_trip() -> None:
+    h, f = st.decode(st.encode_chunk(7, SID, "journal/segment-00000001.log", 4096, b"abc"))
+    assert (h.kind, h.epoch, h.stream) == (st.SNAPSHOT_FILE_CHUNK, 7, SID)
+    assert f == st.FileChunk("journal/segment-00000001.log", 4096, b"abc")
+
+
+def test_done_round_trip() -> None:
+    h, f = st.decode(st.encode_done(3, SID, 12))
+    assert h.kind == st.SNAPSHOT_DONE and f == st.SnapshotDone(12)
+
+
+def test_batch_round_trip() -> None:
+    b = Batch([(1, b"one"), (1, bytearray(b"two")), (2, b"")], records=5, nbytes=6, closes=9)
+    b.deletes = [0, 1]
+    p = PageBatch([(4, 1, True, bytearray(b"page")), (5, 2, False, bytearray(b"x"))], True)
+    p.deletes = [(4, 0), (5, 1)]
+    h, f = st.decode(st.encode_batch(1, SID, 42, b, p))
+    assert h.kind == st.BATCH
+    assert isinstance(f, st.CycleBatch)
+    assert f.cycle == 42 and f.records == 5
+    assert f.journal is not None and f.pages is not None
+    assert [(s, bytes(d)) for s, d in f.journal.writes] == [(1, b"one"), (1, b"two"), (2, b"")]
+    assert f.journal.deletes == [0, 1]
+    assert f.pages.writes == p.writes and f.pages.durable
+    assert f.pages.deletes == [(4, 0), (5, 1)]
+    assert f.nbytes == 6 + 5
+
+
+def test_empty_batch_halves_are_none() -> None:
+    _, f = st.decode(st.encode_batch(0, SID, 1, None, None))
+    assert isinstance(f, st.CycleBatch) and f.journal is None and f.pages is None
+
+
+def test_other_version_truncation_and_kind_are_refused() -> None:
+    frame = st.encode_batch(0, SID, 1, Batch([(1, b"data")], 1, 4, 1), None)
+    with pytest.raises(st.StreamError, match="version 9"):
+        st.decode(b"\x09" + frame[1:])
+    with pytest.raises(st.StreamError, match="damaged"):
+        st.decode(frame[:-3])
+    with pytest.raises(st.StreamError, match="after the batch"):
+        st.decode(frame + b"\0")
+    with pytest.raises(st.StreamError, match="shorter than its header"):
+        st.decode(frame[:5])
+    with pytest.raises(st.StreamError, match="unknown"):
+        st.decode(frame[:1] + b"\x63" + frame[2:])

@@ -46,7 +46,7 @@ import trio
 from amqbroker.ha import stream as st
 from amqbroker.net.driver import Hub
 from amqbroker.net.outbound import OutboundDriver
-from amqbroker.protocol.ha_links import REPLICATION_ADDRESS
+from amqbroker.protocol.ha_links import REPLICATION_ADDRESS, data_section_body
 from amqbroker.protocol.peer import PeerEngine, PeerRawReceiver
 from amqbroker.store.journal_segments import SegmentFiles, segment_path
 from amqbroker.store.paging import PageStore
@@ -459,7 +459,11 @@ class Mirror:
     async def _apply(self, raw: bytes) -> bool:
         store = self.store
         try:
-            h, frame = st.decode(raw)
+            try:
+                body = data_section_body(raw)
+            except ValueError as exc:
+                raise st.StreamError(str(exc)) from None
+            h, frame = st.decode(body)
             was = store.in_sync
             await trio.to_thread.run_sync(store.apply, h, frame)
         except (OSError, st.StreamError) as exc:

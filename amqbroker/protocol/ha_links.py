@@ -8,10 +8,16 @@ exactly once: "accepted" once the backup applied the frame durably, anything els
 (what to send, when the backup is in sync) lives in `amqbroker.ha.primary`, behind the
 `ReplicationSink` callbacks; this module only speaks AMQP (sans-IO, like every
 protocol module).
+
+Each transfer is a well-formed AMQP message: one data section (descriptor 0x75,
+vbin32) holding the frame. The section header goes out as a separate `pn_link_send`
+of the same delivery, so the frame is never copied; `data_section_body` strips it
+on the backup.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,6 +29,25 @@ if TYPE_CHECKING:
     from amqbroker.protocol.connection import AmqpConnection
 
 REPLICATION_ADDRESS = "$ha.replication"
+
+_DATA_SECTION = b"\x00\x53\x75\xb0"
+_U32 = struct.Struct(">I")
+
+
+def data_section(n: int) -> bytes:
+    """The header of a data section of `n` bytes (vbin32)."""
+    return _DATA_SECTION + _U32.pack(n)
+
+
+def data_section_body(message: bytes) -> bytes:
+    """The bytes of a message that is exactly one data section; ValueError otherwise."""
+    if message[:4] != _DATA_SECTION or len(message) < 8:
+        raise ValueError("not a replication frame (one data section expected)")
+    (n,) = _U32.unpack_from(message, 4)
+    if 8 + n != len(message):
+        raise ValueError("replication frame: data section length mismatch")
+    return message[8:]
+
 
 Outcome = Callable[[str], None]
 
@@ -80,6 +105,8 @@ class ReplicationLink:
             return
         ptr = self.ptr
         d = fp.new_delivery(ptr, self.tagger.next())
+        head = data_section(len(data))
+        fp.link_send(ptr, head, len(head))
         fp.link_send(ptr, data, len(data))
         fp.link_advance(ptr)
         self._outcomes[d] = on_outcome

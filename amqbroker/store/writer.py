@@ -16,9 +16,10 @@ Replication (issue 23): `replicator`, when set (a primary with `ha_role = primar
 is awaited in the same nursery as the local write of every cycle
 (`replicate(cycle, batch, pages)`), so the cycle completes only once both the local
 fsync and the backup's acknowledgement are done. It returns at once while no backup is
-in sync. Unset (None), the cycle is exactly the path without replication: no nursery,
-no extra await. The replicator also takes `lock` between cycles to snapshot the files
-for a full sync.
+in sync. Both halves are shielded from cancellation (the replicator bounds its waits
+by `ha_ack_timeout`, after which it drops the backup). Unset (None), the cycle is
+exactly the path without replication: no nursery, no extra await. The replicator
+also takes `lock` between cycles to snapshot the files for a full sync.
 
 Delivery log (`DeliveryLogLoop`): the buffer is written in a worker thread every
 `delivery_log_flush_interval`, or at once when it is a quarter full. A write that
@@ -203,9 +204,12 @@ class StoreWriter:
                 else:
                     write()
 
-            async with trio.open_nursery() as n:
-                n.start_soon(local)
-                n.start_soon(rep.replicate, cycle, batch, pages)
+            # shielded like the local write: a cycle taken is completed even when the
+            # loop is cancelled (the replicator bounds its own waits: ha_ack_timeout)
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as n:
+                    n.start_soon(local)
+                    n.start_soon(rep.replicate, cycle, batch, pages)
             if not written:
                 self._abandon(batch, pages)
                 return False

@@ -394,6 +394,15 @@ class BrokerApp:
         await self._run_broker(task_status=task_status, handle_signals=handle_signals, ready=ready)
 
     # ------------------------------------------------------------- HA backup
+    def ha_status(self) -> dict[str, Any]:
+        """The HA role and its replication state (the backup's mirror counters, or
+        the primary's stream to its backup); {"role": ""} without HA."""
+        if self.mirror is not None:
+            return {"role": "backup", **self.mirror.status()}
+        if self.primary is not None:
+            return {"role": self.ha_role, **self.primary.status()}
+        return {"role": self.ha_role}
+
     def promote(self) -> None:
         """A backup stops mirroring and serves clients on its copy (the lease decides
         when; see issue 23). No effect unless the mirror runs."""
@@ -810,6 +819,8 @@ class BrokerApp:
             stats["paging"] = self.pager.statistics()
         if self.dlog is not None:
             stats["delivery_log"] = self.dlog.statistics()
+        if self.primary is not None:
+            stats["ha"] = {"role": self.ha_role, **self.primary.status()}
         stats["queues"] = {q.name: q.statistics() for q in self.broker.queues.values()}
         stats["limits"] = {
             "connections_refused_per_address": (

@@ -147,13 +147,21 @@ class MirrorStore:
         else:
             self._batch(h, frame)
 
+    def _new_stream(self, h: st.Header) -> None:
+        if h.epoch < self.epoch:
+            raise st.StreamError(
+                f"the primary's epoch {h.epoch} is older than epoch {self.epoch} this "
+                "backup already followed: a stale primary is not mirrored"
+            )
+        self.out_of_sync()
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True)
+        self.stream = h.stream
+        self.epoch = h.epoch
+
     def _chunk(self, h: st.Header, c: st.FileChunk) -> None:
         if h.stream != self.stream:
-            self.out_of_sync()
-            shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging.mkdir(parents=True)
-            self.stream = h.stream
-            self.epoch = h.epoch
+            self._new_stream(h)
         rel = Path(c.path)
         if rel.is_absolute() or ".." in rel.parts or rel.parts[0] not in STORE_DIRS:
             raise st.StreamError(f"snapshot path {c.path!r} is not a store file")
@@ -172,12 +180,7 @@ class MirrorStore:
 
     def _done(self, h: st.Header, d: st.SnapshotDone) -> None:
         if h.stream != self.stream and d.files == 0:
-            # an empty store: nothing was chunked
-            self.out_of_sync()
-            shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging.mkdir(parents=True)
-            self.stream = h.stream
-            self.epoch = h.epoch
+            self._new_stream(h)  # an empty store: nothing was chunked
         if h.stream != self.stream:
             raise st.StreamError("SNAPSHOT_DONE of a stream whose snapshot was not received")
         if len(self._staging_fds) != d.files:

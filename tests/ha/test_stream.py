@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from amqbroker.ha import stream as st
@@ -56,3 +58,24 @@ def test_other_version_truncation_and_kind_are_refused() -> None:
         st.decode(frame[:5])
     with pytest.raises(st.StreamError, match="unknown"):
         st.decode(frame[:1] + b"\x63" + frame[2:])
+
+
+def test_a_backup_refuses_a_primary_of_an_older_epoch(tmp_path: Path) -> None:
+    from amqbroker.ha.mirror import MirrorStore, read_state
+
+    m = MirrorStore(tmp_path, sync=False)
+    new, old = bytes(16), bytes([1] * 16)
+    m.apply(*st.decode(st.encode_chunk(5, new, "journal/segment-00000001.log", 0, b"x")))
+    m.apply(*st.decode(st.encode_done(5, new, 1)))
+    assert m.in_sync and read_state(tmp_path) == {"epoch": 5, "stream": new.hex(), "in_sync": True}
+    assert (tmp_path / "journal" / "segment-00000001.log").read_bytes() == b"x"
+    m.close()
+    m = MirrorStore(tmp_path, sync=False)  # restarted: remembers the epoch it followed
+    with pytest.raises(st.StreamError, match="epoch 4 is older than epoch 5"):
+        m.apply(*st.decode(st.encode_chunk(4, old, "journal/segment-00000001.log", 0, b"y")))
+    # the copy it holds and its marker are untouched by the refused stream
+    assert read_state(tmp_path) == {"epoch": 5, "stream": new.hex(), "in_sync": True}
+    assert (tmp_path / "journal" / "segment-00000001.log").read_bytes() == b"x"
+    with pytest.raises(st.StreamError, match="not a store file"):
+        m.apply(*st.decode(st.encode_chunk(6, old, "../evil", 0, b"y")))
+    m.close()

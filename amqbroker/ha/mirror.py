@@ -46,7 +46,11 @@ import trio
 from amqbroker.ha import stream as st
 from amqbroker.net.driver import Hub
 from amqbroker.net.outbound import OutboundDriver
-from amqbroker.protocol.ha_links import REPLICATION_ADDRESS, data_section_body
+from amqbroker.protocol.ha_links import (
+    DATA_SECTION_SIZE,
+    REPLICATION_ADDRESS,
+    data_section_body,
+)
 from amqbroker.protocol.peer import PeerEngine, PeerRawReceiver
 from amqbroker.store.journal_segments import SegmentFiles, segment_path
 from amqbroker.store.paging import PageStore
@@ -277,7 +281,7 @@ class Mirror:
         self.node_id = node_id
         data_dir.mkdir(parents=True, exist_ok=True)
         self.store = MirrorStore(data_dir, sync=sync)
-        self._queue: collections.deque[tuple[int, bytes, Callable[[bool], None]]] = (
+        self._queue: collections.deque[tuple[int, bytes, Callable[[bool], None], int]] = (
             collections.deque()
         )
         self._lot = trio.lowlevel.ParkingLot()
@@ -293,6 +297,7 @@ class Mirror:
         self.records_applied = 0
         self.lag_frames = 0
         self.lag_bytes = 0
+        self.lag_records = 0
         self.resyncs = 0
         self.failures = 0
         #: set each time the mirror becomes in sync (tests wait on it)
@@ -303,6 +308,11 @@ class Mirror:
     @property
     def in_sync(self) -> bool:
         return self.store.in_sync
+
+    @property
+    def lag(self) -> tuple[int, int]:
+        """(journal records, bytes) received from the primary and not yet applied."""
+        return self.lag_records, self.lag_bytes
 
     @property
     def synced_epoch(self) -> int | None:
@@ -325,10 +335,13 @@ class Mirror:
             "records_applied": self.records_applied,
             "lag_frames": self.lag_frames,
             "lag_bytes": self.lag_bytes,
+            "lag_records": self.lag_records,
             "resyncs": self.resyncs,
         }
 
     def _say(self, state: str, level: int, msg: str, *args: object) -> None:
+        if self._state == "refused" and state in ("up", "down"):
+            return  # refused again at each attempt: said once, until something changes
         if state != self._state:
             self._state = state
             log.log(level, msg, *args)
@@ -408,7 +421,7 @@ class Mirror:
         self._engine = None
         self._receiver = None
         self._queue.clear()
-        self.lag_frames = self.lag_bytes = 0
+        self.lag_frames = self.lag_bytes = self.lag_records = 0
         if self.store.in_sync:
             # a new connection is a new stream: what we hold stays (promote may use
             # it) but is no longer appended to
@@ -435,9 +448,11 @@ class Mirror:
         )
 
     def _on_transfer(self, gen: int, raw: bytes, settle: Callable[[bool], None]) -> None:
-        self._queue.append((gen, raw, settle))
+        records = st.batch_records(raw, DATA_SECTION_SIZE)
+        self._queue.append((gen, raw, settle, records))
         self.lag_frames += 1
         self.lag_bytes += len(raw)
+        self.lag_records += records
         self._lot.unpark_all()
 
     async def _apply_loop(self) -> None:
@@ -446,9 +461,10 @@ class Mirror:
             if not q:
                 await self._lot.park()
                 continue
-            gen, raw, settle = q.popleft()
+            gen, raw, settle, records = q.popleft()
             self.lag_frames -= 1
             self.lag_bytes -= len(raw)
+            self.lag_records -= records
             if gen != self._gen:
                 continue  # of a connection that ended
             ok = await self._apply(raw)

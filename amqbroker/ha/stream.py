@@ -145,6 +145,15 @@ def decode_header(data: bytes | memoryview) -> Header:
     return Header(kind, epoch, bytes(stream))
 
 
+def batch_records(data: bytes, offset: int = 0) -> int:
+    """The journal records of the BATCH frame at `offset` of `data` (0 for any other
+    frame, or one too short): what the backup counts as lag before decoding it."""
+    if len(data) < offset + HEADER_SIZE + 12 or data[offset + 1] != BATCH:
+        return 0
+    n: int = _U32.unpack_from(data, offset + HEADER_SIZE + 8)[0]
+    return n
+
+
 def decode(data: bytes) -> tuple[Header, Frame]:
     """One frame's header and body."""
     h = decode_header(data)

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 REPLICATION_ADDRESS = "$ha.replication"
 
 _DATA_SECTION = b"\x00\x53\x75\xb0"
+#: bytes before the frame in a transfer
+DATA_SECTION_SIZE = 8
 _U32 = struct.Struct(">I")
 
 

@@ -101,6 +101,10 @@ async def test_full_sync_then_live_batches_then_promote(
         state = read_state(tmp_path / "b")
         assert state is not None and state["in_sync"] and state["stream"] == mirror.synced_stream
         assert mirror.frames_applied > 0 and mirror.records_applied >= 300
+        assert mirror.lag == (0, 0)  # every batch acknowledged was applied
+        st = backup.ha_status()
+        assert st["role"] == "backup" and st["in_sync"] and st["epoch"] == 0
+        assert primary.ha_status()["state"] == "in-sync"
 
         primary.request_shutdown()
         with trio.fail_after(20):

@@ -41,6 +41,13 @@ def test_batch_round_trip() -> None:
     assert f.nbytes == 6 + 5
 
 
+def test_batch_records_reads_the_count_without_decoding() -> None:
+    frame = st.encode_batch(0, SID, 1, Batch([(1, b"data")], 17, 4, 1), None)
+    assert st.batch_records(b"prefix.." + frame, 8) == 17
+    assert st.batch_records(st.encode_done(0, SID, 1)) == 0
+    assert st.batch_records(frame[:10]) == 0
+
+
 def test_empty_batch_halves_are_none() -> None:
     _, f = st.decode(st.encode_batch(0, SID, 1, None, None))
     assert isinstance(f, st.CycleBatch) and f.journal is None and f.pages is None

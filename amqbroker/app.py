@@ -621,9 +621,15 @@ class BrokerApp:
     async def _signal_loop(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        # a pair member also takes SIGUSR1 (promote): once live it is ignored, where
+        # its default action would kill the live broker
+        sigs = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR1,) if self.ha_role else ())
+        with trio.open_signal_receiver(*sigs) as signals:
             task_status.started()
             async for signum in signals:
+                if signum == signal.SIGUSR1:
+                    log.info("received SIGUSR1 (promote): this broker is already live")
+                    continue
                 if self._shutdown.is_set():
                     log.warning("second signal: stopping now")
                     raise KeyboardInterrupt

@@ -152,6 +152,8 @@ async def test_sigkill_primary_then_promote_backup_keeps_every_accepted_message(
     backup.send_signal(signal.SIGUSR1)  # promote: the same process serves its copy
     await backup.wait_for_line(r"HA backup: promoted", timeout=WAIT)
     await backup.wait_for_line(rf"listening on amqp://127\.0\.0\.1:{b_port}", timeout=WAIT)
+    backup.send_signal(signal.SIGUSR1)  # a second promote: ignored by the live broker
+    await backup.wait_for_line(r"received SIGUSR1 \(promote\): this broker is already live")
     got = await consume_all(b_port, nursery)
     # every accepted message, once, in send order; at most the unanswered tail more
     assert len(got) == len(set(got))

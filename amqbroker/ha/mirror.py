@@ -307,6 +307,10 @@ class Mirror:
     # ------------------------------------------------------------- status
     @property
     def in_sync(self) -> bool:
+        """The data dir holds a complete copy of the primary's current stream (from
+        SNAPSHOT_DONE on), possibly behind by the batches the primary still has
+        queued for it; the primary's own `Primary.in_sync` says when it waits for
+        this backup."""
         return self.store.in_sync
 
     @property

@@ -124,6 +124,8 @@ class Primary:
         self._pending: list[BackupStream] = []
         self.full_syncs = 0
         self.dropped = 0
+        #: set (then replaced) each time a backup is in sync (tests wait on it)
+        self.synced = trio.Event()
 
     # ------------------------------------------------------------- status
     @property
@@ -340,6 +342,8 @@ class Primary:
             return
         b.state = IN_SYNC
         self._replicated = True
+        self.synced.set()
+        self.synced = trio.Event()
         log.warning(
             "HA primary: backup at %s is in sync (stream %s); every store cycle is "
             "replicated again",

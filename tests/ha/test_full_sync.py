@@ -86,7 +86,8 @@ async def test_full_sync_then_live_batches_then_promote(
         backup_listening, backup_done = await start(n, backup)
         assert backup.listening == [] and backup.mirror is not None
         mirror = backup.mirror
-        synced = mirror.synced
+        assert primary.primary is not None
+        synced = primary.primary.synced
         # a producer keeps sending while the backup catches up
         await send(port, n, range(300, 600))
         with trio.fail_after(20):
@@ -140,8 +141,8 @@ async def test_page_files_are_mirrored_byte_for_byte(tmp_path: Path) -> None:
                 settings(tmp_path / "b", ha_role="backup", ha_primary=f"127.0.0.1:{port}", **over)
             )
             backup_listening, backup_done = await start(n, backup)
-            assert backup.mirror is not None
-            synced = backup.mirror.synced
+            assert backup.mirror is not None and primary.primary is not None
+            synced = primary.primary.synced
             with trio.fail_after(20):
                 await synced.wait()
             # consuming reads pages back (journal ADDs, page segments deleted) while
@@ -169,6 +170,80 @@ async def test_page_files_are_mirrored_byte_for_byte(tmp_path: Path) -> None:
                 got.append(str(m.body)[: -len(big)])
                 r.accept(m)
         assert got == [f"m{i}" for i in range(100, 601)]
+        backup.request_shutdown()
+        with trio.fail_after(20):
+            await backup_done.wait()
+        n.cancel_scope.cancel()
+
+
+async def test_segments_compacted_away_during_the_full_sync_are_still_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot's files are read through the descriptors opened between two
+    cycles: compaction deleting them meanwhile changes nothing, and the queued
+    batches replay the deletes."""
+    from amqbroker.ha.primary import Primary
+
+    gate = trio.Event()
+    opened = trio.Event()
+    real = Primary._open_snapshot
+
+    def snapshot_then_hold(self: Primary) -> list[tuple[str, int, int]]:
+        files = real(self)
+        opened.set()
+        return files
+
+    real_send = Primary._send
+
+    async def held_send(self: Primary, b: Any, frame: bytes, on_outcome: Any) -> bool:
+        await gate.wait()
+        return await real_send(self, b, frame, on_outcome)
+
+    monkeypatch.setattr(Primary, "_open_snapshot", snapshot_then_hold)
+    monkeypatch.setattr(Primary, "_send", held_send)
+    over: dict[str, Any] = {"store_segment_size": 16 * 1024, "store_compact_min_bytes": 0}
+    async with trio.open_nursery() as n:
+        primary = BrokerApp(settings(tmp_path / "p", ha_role="primary", **over))
+        _, primary_done = await start(n, primary)
+        port = primary.listening[0][1]
+        await send(port, n, range(400))
+        before = set(store_files(tmp_path / "p"))
+        backup = BrokerApp(
+            settings(tmp_path / "b", ha_role="backup", ha_primary=f"127.0.0.1:{port}", **over)
+        )
+        backup_listening, backup_done = await start(n, backup)
+        assert backup.mirror is not None and primary.primary is not None
+        synced = primary.primary.synced
+        with trio.fail_after(20):
+            await opened.wait()
+        # consume everything: the old segments are compacted away while held
+        async with await Client.connect(port, nursery=n) as c:
+            r = await c.receiver("q", credit=1000)
+            for _ in range(400):
+                r.accept(await r.receive(timeout=20))
+            s = await c.sender("q")
+            for i in range(400, 450):
+                await s.send(Message(body=f"m{i}", durable=True))
+        gone = before - set(store_files(tmp_path / "p"))
+        assert gone, "compaction deleted none of the snapshot's segments"
+        gate.set()
+        with trio.fail_after(20):
+            await synced.wait()
+        await send(port, n, range(450, 460))
+        assert snapshot(tmp_path / "b") == snapshot(tmp_path / "p")
+        assert not gone & set(store_files(tmp_path / "b"))
+
+        primary.request_shutdown()
+        with trio.fail_after(20):
+            await primary_done.wait()
+        backup.promote()
+        with trio.fail_after(20):
+            await backup_listening.wait()
+        async with await Client.connect(backup.listening[0][1], nursery=n) as c:
+            r = await c.receiver("q", credit=1000)
+            got = [(await r.receive(timeout=20)).body for _ in range(60)]
+            await r.expect_none(0.3)
+        assert got == [f"m{i}" for i in range(400, 460)]
         backup.request_shutdown()
         with trio.fail_after(20):
             await backup_done.wait()

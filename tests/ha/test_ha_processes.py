@@ -29,7 +29,14 @@ pytestmark = pytest.mark.timeout(120)
 USER = "cluster"
 PASSWORD = "cluster-pw"
 WAIT = 30.0
-IN_SYNC = r"HA backup: in sync with the primary"
+IN_SYNC = r"HA backup: in sync with the primary .* stream (\w+)\)"
+
+
+async def wait_synced(primary: BrokerProcess, backup: BrokerProcess) -> None:
+    """Until the primary waits for this backup: the backup has the snapshot and the
+    primary sent it every queued batch (its line names the stream)."""
+    m = await backup.wait_for_line(IN_SYNC, timeout=WAIT)
+    await primary.wait_for_line(rf"HA primary: backup at .* is in sync \(stream {m.group(1)}\)")
 
 
 def env(role: str, primary_port: int | None = None) -> dict[str, str]:
@@ -128,8 +135,7 @@ async def test_sigkill_primary_then_promote_backup_keeps_every_accepted_message(
     p_port, b_port = free_port(), free_port()
     primary = await procs.start(tmp_path / "primary", env=env("primary"), port=p_port)
     backup = await start_backup(procs, tmp_path / "backup", b_port, p_port)
-    await backup.wait_for_line(IN_SYNC, timeout=WAIT)
-    await primary.wait_for_line(r"HA primary: backup at .* is in sync", timeout=WAIT)
+    await wait_synced(primary, backup)
 
     accepted: list[int] = []
     half = trio.Event()
@@ -197,7 +203,7 @@ async def test_late_backup_catches_up_under_load_and_after_a_restart(
 
     # a restarted backup catches up again (a new full sync), then holds every message
     backup = await start_backup(procs, tmp_path / "backup", b_port, p_port)
-    await backup.wait_for_line(IN_SYNC, timeout=WAIT)
+    await wait_synced(primary, backup)
     await produce(p_port, nursery, 1700, 1800, accepted)
     await primary.crash()
     backup.send_signal(signal.SIGUSR1)

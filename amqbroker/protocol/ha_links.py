@@ -136,11 +136,12 @@ class ReplicationLink:
         if self.closed:
             return
         self.closed = True
+        # the sink first: it learns the backup went away before its frames are lost
+        self.sink.detached(self)
         outcomes = list(self._outcomes.values())
         self._outcomes.clear()
         for cb in outcomes:
             cb("lost")
-        self.sink.detached(self)
 
 
 def replication_factory(

@@ -129,3 +129,29 @@ async def test_catching_up_queues_batches_up_to_the_bound_then_drops(
     await p.replicate(4, batch(300), None)
     assert b.state == DROPPED and link.closed is not None
     assert "exceed ha_max_queued_bytes (1000)" in caplog.text
+
+
+async def test_a_detached_backup_is_reported_as_gone_not_as_a_bad_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from amqbroker.protocol.ha_links import ReplicationLink
+
+    p = primary()
+
+    class Conn:
+        peer = "127.0.0.1:2"
+
+        def mark_dirty(self) -> None:
+            pass
+
+    class Link:
+        _impl = object()
+
+    link = ReplicationLink(Conn(), Link(), p)  # type: ignore[arg-type]
+    b = attach(p, IN_SYNC, link)  # type: ignore[arg-type]
+    lost: list[str] = []
+    link._outcomes[object()] = lost.append
+    link.detach(None)  # type: ignore[arg-type]
+    assert lost == ["lost"] and b.state == DROPPED and p.backup is None
+    assert "running unreplicated (the backup went away)" in caplog.text
+    assert "answered lost" not in caplog.text

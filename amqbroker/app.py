@@ -158,6 +158,9 @@ class BrokerApp:
         self.primary: Primary | None = None
         self._promote = trio.Event()
         self._started = False
+        #: the primary's epoch, stamped on every replication frame (a backup refuses
+        #: a primary older than one it followed); the ZooKeeper lease sets it
+        self.ha_epoch: Callable[[], int] = lambda: 0
 
     # ---------------------------------------------------------------- clock
     def clock(self) -> float:
@@ -323,6 +326,7 @@ class BrokerApp:
                 chunk_bytes=s.ha_chunk_bytes,
                 max_queued_bytes=s.ha_max_queued_bytes,
                 ack_timeout=s.ha_ack_timeout,
+                epoch=self._current_epoch,  # late-bound: the lease may set ha_epoch
             )
             self.store.replicator = self.primary
             self.management.sources[REPLICATION_ADDRESS] = replication_factory(
@@ -352,6 +356,9 @@ class BrokerApp:
             new_connection=self._new_connection,
             tls_context=tls_context,
         )
+
+    def _current_epoch(self) -> int:
+        return self.ha_epoch()
 
     def _authorize_replication(self, conn: AmqpConnection) -> str | None:
         user = self.settings.cluster_user

@@ -68,6 +68,7 @@ async def test_a_disk_error_on_the_backup_drops_it_out_of_sync_then_it_resyncs(
 async def test_only_the_cluster_user_may_attach_the_replication_stream(tmp_path: Path) -> None:
     async with trio.open_nursery() as n:
         primary = BrokerApp(settings(tmp_path / "p", ha_role="primary", allow_anonymous=True))
+        primary.ha_epoch = lambda: 7  # what the lease will set
         await start(n, primary)
         port = primary.listening[0][1]
         async with await Client.connect(port, nursery=n) as c:
@@ -82,7 +83,7 @@ async def test_only_the_cluster_user_may_attach_the_replication_stream(tmp_path:
             r = await c.receiver(REPLICATION_ADDRESS, credit=1)
             first = await r.receive(timeout=10)  # the full sync begins
             h, _ = st.decode(first.body)
-            assert h.kind in (st.SNAPSHOT_FILE_CHUNK, st.SNAPSHOT_DONE)
+            assert h.kind in (st.SNAPSHOT_FILE_CHUNK, st.SNAPSHOT_DONE) and h.epoch == 7
         n.cancel_scope.cancel()
 
 

@@ -33,6 +33,15 @@ the data directory. From the start of the shutdown each store or delivery-log wr
 may take at most `shutdown_timeout` (the one running included), so a hung disk
 cannot hang the shutdown: a write past it is abandoned and logged (`store.writer`).
 
+Primary/backup (issue 23, `amqbroker.ha`): with ``ha_role = "primary"`` the store
+writer gets the `ha.primary.Primary` replicator and the `$management` node serves the
+`$ha.replication` source to the cluster user. With ``ha_role = "backup"`` `run` opens
+no listener and builds no broker: it runs a `ha.mirror.Mirror` of the primary's store
+into the data dir until `promote()` (or SIGUSR1) is called, then stops the mirror and
+runs the normal broker on the mirrored data dir in the same process, as a primary
+(a backup may then attach to it). A shutdown request before that just stops the
+mirror.
+
 Time: the core gets an epoch-aligned clock built on `trio.current_time()`, so tests
 running under trio's autojump clock move the core's time too.
 """
@@ -60,6 +69,8 @@ from amqbroker.core.broker import Broker
 from amqbroker.core.queue_records import restore_queue
 from amqbroker.core.slow_consumers import KILL, SlowConsumerDetector
 from amqbroker.core.timers import Timers
+from amqbroker.ha.mirror import Mirror, read_state
+from amqbroker.ha.primary import Primary
 from amqbroker.net.driver import Hub
 from amqbroker.net.listener import ListenError, accept_loop, bind, bound_address
 from amqbroker.net.server import ConnectionServer
@@ -67,6 +78,7 @@ from amqbroker.net.tls import TlsConfigError, server_context
 from amqbroker.protocol.codec import ScannerCodec
 from amqbroker.protocol.connection import AmqpConnection, ConnectionLimits
 from amqbroker.protocol.fastpath import check_binding
+from amqbroker.protocol.ha_links import REPLICATION_ADDRESS, replication_factory
 from amqbroker.protocol.links import ConsumerLink, SyncTracker
 from amqbroker.protocol.management import ManagementNode
 from amqbroker.protocol.scanner import log_message_id
@@ -137,6 +149,18 @@ class BrokerApp:
         #: `span_exporter`, when set before run() (tests, embedders), gets every span.
         self.telemetry: Telemetry | None = None
         self.span_exporter: Any = None
+        #: this process's HA role: "", "primary" or "backup" (a promoted backup
+        #: becomes "primary")
+        self.ha_role = settings.ha_role
+        #: the backup's mirror while it runs (ha_role = "backup")
+        self.mirror: Mirror | None = None
+        #: the primary's replication (ha_role = "primary")
+        self.primary: Primary | None = None
+        self._promote = trio.Event()
+        self._started = False
+        #: the primary's epoch, stamped on every replication frame (a backup refuses
+        #: a primary older than one it followed); the ZooKeeper lease sets it
+        self.ha_epoch: Callable[[], int] = lambda: 0
 
     # ---------------------------------------------------------------- clock
     def clock(self) -> float:
@@ -292,6 +316,22 @@ class BrokerApp:
             except ElectionUnavailable as exc:
                 self._close_store()
                 raise StartupError(str(exc)) from exc
+        if self.ha_role == "primary":
+            self.primary = Primary(
+                self.store,
+                data_dir,
+                flush=self.hub.flush,
+                sync=s.ha_sync,
+                window=s.ha_window,
+                chunk_bytes=s.ha_chunk_bytes,
+                max_queued_bytes=s.ha_max_queued_bytes,
+                ack_timeout=s.ha_ack_timeout,
+                epoch=self._current_epoch,  # late-bound: the lease may set ha_epoch
+            )
+            self.store.replicator = self.primary
+            self.management.sources[REPLICATION_ADDRESS] = replication_factory(
+                self.primary, self._authorize_replication
+            )
         self.hub.after_flush.append(self.store.wake)
         limits = ConnectionLimits(
             container_id="amqbroker",
@@ -317,6 +357,18 @@ class BrokerApp:
             tls_context=tls_context,
         )
 
+    def _current_epoch(self) -> int:
+        return self.ha_epoch()
+
+    def _authorize_replication(self, conn: AmqpConnection) -> str | None:
+        user = self.settings.cluster_user
+        if not user or conn.user != user:
+            return (
+                f"{REPLICATION_ADDRESS} is for the cluster user{f' {user!r}' if user else ''} "
+                "only; check cluster_user/cluster_password on the backup"
+            )
+        return None
+
     def _new_connection(
         self, limits: ConnectionLimits, conn_id: str, peer: str, tls_identity: str | None
     ) -> AmqpConnection:
@@ -341,6 +393,112 @@ class BrokerApp:
         task_status: trio.TaskStatus[BrokerApp] = trio.TASK_STATUS_IGNORED,
         handle_signals: bool = False,
         ready: Callable[[BrokerApp], None] | None = None,
+    ) -> None:
+        if self.ha_role == "backup":
+            if not await self._run_mirror(task_status, handle_signals):
+                return
+            self.ha_role = "primary"
+        await self._run_broker(task_status=task_status, handle_signals=handle_signals, ready=ready)
+
+    # ------------------------------------------------------------- HA backup
+    def ha_status(self) -> dict[str, Any]:
+        """The HA role and its replication state (the backup's mirror counters, or
+        the primary's stream to its backup); {"role": ""} without HA."""
+        if self.mirror is not None:
+            return {"role": "backup", **self.mirror.status()}
+        if self.primary is not None:
+            return {"role": self.ha_role, **self.primary.status()}
+        return {"role": self.ha_role}
+
+    def promote(self) -> None:
+        """A backup stops mirroring and serves clients on its copy (the lease decides
+        when; see issue 23). No effect unless the mirror runs."""
+        if self.mirror is not None and not self._promote.is_set():
+            log.warning(
+                "HA backup: promoted; stopping the mirror (%s) and starting the broker on %s",
+                "in sync" if self.mirror.in_sync else "NOT in sync",
+                self.mirror.data_dir,
+            )
+            self._promote.set()
+
+    def _build_mirror(self) -> Mirror:
+        s = self.settings
+        data_dir = Path(s.data_dir).expanduser().resolve()
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"cannot create the data directory {data_dir}: {exc}") from exc
+        self.data_dir = data_dir
+        host, port = parse_listener(s.ha_primary)
+        mirror = Mirror(
+            data_dir,
+            host=host,
+            port=port,
+            user=s.cluster_user,
+            password=s.cluster_password,
+            window=s.ha_window,
+            sync=s.store_sync,
+            idle_timeout=s.idle_timeout,
+            backoff_initial=s.cluster_reconnect_initial,
+            backoff_max=s.cluster_reconnect_max,
+            hub=self.hub,
+            node_id=s.node_id or s.cluster_node_id or "backup",
+        )
+        self.mirror = mirror
+        state = read_state(data_dir)
+        log.info(
+            "amqbroker %s HA backup of %s; data in %s (%s)",
+            __version__,
+            s.ha_primary,
+            data_dir,
+            f"copy of stream {state.get('stream', '?')[:8]}, epoch {state.get('epoch')}"
+            if state
+            else "no copy in sync yet",
+        )
+        return mirror
+
+    async def _run_mirror(self, task_status: trio.TaskStatus[BrokerApp], signals: bool) -> bool:
+        """Mirror the primary until promoted (True) or asked to stop (False)."""
+        mirror = self._build_mirror()
+        promoted = False
+        async with trio.open_nursery() as n:
+            await n.start(mirror.run)
+            if signals:
+                await n.start(self._mirror_signal_loop)
+            self._started = True
+            task_status.started(self)
+
+            async def stop_on_shutdown() -> None:
+                await self._shutdown.wait()
+                n.cancel_scope.cancel()
+
+            n.start_soon(stop_on_shutdown)
+            await self._promote.wait()
+            promoted = True
+            n.cancel_scope.cancel()
+        self.mirror = None
+        if not promoted:
+            log.info("amqbroker HA backup stopped")
+        return promoted
+
+    async def _mirror_signal_loop(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as sigs:
+            task_status.started()
+            async for signum in sigs:
+                if signum == signal.SIGUSR1:
+                    self.promote()
+                else:
+                    self.request_shutdown()
+
+    # ---------------------------------------------------------- the broker
+    async def _run_broker(
+        self,
+        *,
+        task_status: trio.TaskStatus[BrokerApp],
+        handle_signals: bool,
+        ready: Callable[[BrokerApp], None] | None,
     ) -> None:
         self._epoch0 = time.time()
         self._trio0 = trio.current_time()
@@ -403,6 +561,8 @@ class BrokerApp:
                     root.start_soon(self.dlog_loop.run)
                 if s.expiry_scan_period > 0:
                     root.start_soon(self._expiry_loop)
+                if self.primary is not None:
+                    await root.start(self.primary.run)
                 if self.cluster is not None:
                     # cluster connections start before clients are accepted
                     await root.start(self.cluster.run)
@@ -442,7 +602,9 @@ class BrokerApp:
                         )
                         if ready is not None:
                             ready(self)
-                        task_status.started(self)
+                        if not self._started:
+                            self._started = True
+                            task_status.started(self)
                         await self._shutdown.wait()
                         accepting.cancel_scope.cancel()
                     await self._graceful_close(conns)
@@ -466,9 +628,15 @@ class BrokerApp:
     async def _signal_loop(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        # a pair member also takes SIGUSR1 (promote): once live it is ignored, where
+        # its default action would kill the live broker
+        sigs = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR1,) if self.ha_role else ())
+        with trio.open_signal_receiver(*sigs) as signals:
             task_status.started()
             async for signum in signals:
+                if signum == signal.SIGUSR1:
+                    log.info("received SIGUSR1 (promote): this broker is already live")
+                    continue
                 if self._shutdown.is_set():
                     log.warning("second signal: stopping now")
                     raise KeyboardInterrupt
@@ -664,6 +832,8 @@ class BrokerApp:
             stats["paging"] = self.pager.statistics()
         if self.dlog is not None:
             stats["delivery_log"] = self.dlog.statistics()
+        if self.primary is not None:
+            stats["ha"] = {"role": self.ha_role, **self.primary.status()}
         stats["queues"] = {q.name: q.statistics() for q in self.broker.queues.values()}
         stats["limits"] = {
             "connections_refused_per_address": (

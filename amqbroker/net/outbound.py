@@ -5,7 +5,8 @@ factory for every attempt, and pumps it: the reader feeds received bytes, the wr
 sends whatever the engine has (woken through the engine's `on_dirty`), the ticker runs
 heartbeats / idle timeout. When the socket ends it reports `on_down` and reconnects
 after a backoff that doubles from `backoff_initial` to `backoff_max` (reset once a
-connection has opened). It runs until cancelled.
+connection has opened); an attempt that fails before the AMQP open (connection
+refused, unreachable) is reported to `on_fail`, if given. It runs until cancelled.
 
 After every batch of input the hub is flushed, because the engine's callbacks run
 broker code (acknowledging a forwarded message dispatches the next one, a management
@@ -40,6 +41,7 @@ class OutboundDriver:
         backoff_initial: float = 0.2,
         backoff_max: float = 5.0,
         connect_timeout: float = 5.0,
+        on_fail: Callable[[str], None] | None = None,
     ) -> None:
         self.hub = hub
         self.name = name
@@ -51,6 +53,7 @@ class OutboundDriver:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.connect_timeout = connect_timeout
+        self.on_fail = on_fail
         self.engine: PeerEngine | None = None
         self.connected = False
         self.attempts = 0
@@ -73,8 +76,10 @@ class OutboundDriver:
             opened = False
             try:
                 opened = await self._one()
-            except OSError as exc:
-                self.last_error = str(exc)
+            except (OSError, trio.TooSlowError) as exc:
+                self.last_error = str(exc) or "connect timed out"
+            if not opened and self.on_fail is not None:
+                self.on_fail(self.last_error)
             if opened:
                 backoff = self.backoff_initial
             self._kick = trio.Event()

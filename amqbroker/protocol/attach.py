@@ -213,6 +213,17 @@ def _attach_consumer(conn: AttachHost, link: Any) -> None:
     if not src.dynamic and not address:
         _attach_unsubscribe(conn, link)
         return
+    if conn.management is not None and address in getattr(conn.management, "sources", {}):
+        # registered special sources (the primary's `$ha.replication`)
+        h = conn.management.sources[address](conn, link)
+        conn.links[h.ptr] = h
+        link.source.copy(src)
+        link.target.copy(link.remote_target)
+        link.snd_settle_mode = Link.SND_UNSETTLED
+        link.rcv_settle_mode = Link.RCV_FIRST
+        link.open()
+        h.start()
+        return
     if address == MANAGEMENT_ADDRESS:
         raise NotFound(
             "'$management' takes requests: attach a sender to it and receive the "

@@ -303,6 +303,63 @@ class PeerReceiver:
         pass
 
 
+class PeerRawReceiver:
+    """A receiver whose transfers the caller settles later: `on_transfer(bytes,
+    settle)` gets each whole transfer; `settle(True)` accepts it, `settle(False)`
+    rejects it, and only then is one more credit granted. So at most `credit`
+    transfers are ever unsettled (the replication stream's window, issue 23)."""
+
+    def __init__(
+        self,
+        engine: PeerEngine,
+        link: Link,
+        on_transfer: Callable[[bytes, Callable[[bool], None]], None],
+    ) -> None:
+        self.engine = engine
+        self.link = link
+        self.ptr = link._impl
+        self.rbuf = fp.RecvBuffer(65536)
+        self.on_transfer = on_transfer
+
+    @property
+    def opened(self) -> bool:
+        return bool(self.link.state & Endpoint.REMOTE_ACTIVE) and not (
+            self.link.state & Endpoint.REMOTE_CLOSED
+        )
+
+    @property
+    def closed_by_peer(self) -> bool:
+        return bool(self.link.state & Endpoint.REMOTE_CLOSED)
+
+    @property
+    def error(self) -> str:
+        cond = self.link.remote_condition
+        return "" if cond is None else f"{cond.name}: {cond.description}"
+
+    def on_delivery(self, d: Any) -> None:
+        raw = self.rbuf.receive(self.ptr, d)
+        if raw is None:
+            return  # partial
+        done = False
+
+        def settle(ok: bool) -> None:
+            nonlocal done
+            if done or self.engine.ended:
+                return
+            done = True
+            if ok:
+                fp.accept(d)
+            else:
+                fp.reject(d, "amqp:internal-error", "the backup could not apply the frame")
+            fp.flow(self.ptr, 1)
+            self.engine.mark_dirty()
+
+        self.on_transfer(raw, settle)
+
+    def on_flow(self) -> None:
+        pass
+
+
 _new_delivery = fp.new_delivery
 _link_send = fp.link_send
 _link_advance = fp.link_advance
@@ -433,6 +490,27 @@ class PeerEngine:
         link.flow(credit)
         r = PeerReceiver(self, link, on_message)
         r.credit_window = credit
+        self._links[r.ptr] = r
+        self.mark_dirty()
+        return r
+
+    def raw_receiver(
+        self,
+        on_transfer: Callable[[bytes, Callable[[bool], None]], None],
+        name: str,
+        *,
+        address: str,
+        credit: int,
+    ) -> PeerRawReceiver:
+        """A receiver from `address` whose transfers the caller settles (see
+        `PeerRawReceiver`); `credit` transfers at most are unsettled."""
+        link = self.session.receiver(name)
+        link.source.address = address
+        link.snd_settle_mode = Link.SND_UNSETTLED
+        link.rcv_settle_mode = Link.RCV_FIRST
+        link.open()
+        link.flow(credit)
+        r = PeerRawReceiver(self, link, on_transfer)
         self._links[r.ptr] = r
         self.mark_dirty()
         return r

@@ -85,6 +85,18 @@ def check_cross_fields(settings: Settings) -> None:
             },
             "cluster_reconnect_initial must not exceed cluster_reconnect_max",
         )
+    if settings.ha_role == "backup" and not settings.ha_primary:
+        raise CrossFieldError(
+            {"ha_role": settings.ha_role, "ha_primary": settings.ha_primary},
+            "a backup (ha_role = backup) needs ha_primary, the host:port of its primary's "
+            "AMQP listener",
+        )
+    if settings.ha_role and not settings.cluster_user:
+        raise CrossFieldError(
+            {"ha_role": settings.ha_role, "cluster_user": settings.cluster_user},
+            "a primary/backup pair authenticates its replication stream as the cluster "
+            "user: set cluster_user (and cluster_password) on both",
+        )
     if 0 <= settings.delivery_log_max_bytes < 2 * settings.delivery_log_rotate_bytes:
         raise CrossFieldError(
             {

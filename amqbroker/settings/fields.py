@@ -46,6 +46,13 @@ def _check_listener(text: str) -> str:
     return text
 
 
+def check_optional_listener(text: str) -> str:
+    """'' or 'host:port'."""
+    if text:
+        parse_listener(text)
+    return text
+
+
 def _check_host(text: str) -> str:
     if not text or any(c.isspace() for c in text):
         raise ValueError("must be a host name or IP address without spaces, e.g. 127.0.0.1")

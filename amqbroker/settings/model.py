@@ -34,6 +34,7 @@ from amqbroker.settings.fields import (
     UserName,
     check_cluster_peer,
     check_node_id,
+    check_optional_listener,
     check_queue_prefix,
     check_znode_path,
     check_zookeeper,
@@ -163,6 +164,15 @@ class Settings(BaseSettings):
     grouping_timeout_policy: Literal["reject", "ungrouped"] = "reject"
     grouping_retries: ConfigInt = Field(default=10, ge=0, le=1000)
     grouping_consumerless_timeout: ConfigInt = Field(default=-1, ge=-1)
+
+    # primary/backup replication (issue 23; amqbroker.ha)
+    ha_role: Literal["", "primary", "backup"] = ""
+    ha_primary: Annotated[str, AfterValidator(check_optional_listener)] = ""
+    ha_sync: bool = True
+    ha_window: ConfigInt = Field(default=64, ge=1, le=10_000)
+    ha_chunk_bytes: ConfigInt = Field(default=MIB, ge=4 * KIB, le=64 * MIB)
+    ha_max_queued_bytes: ConfigInt = Field(default=256 * MIB, ge=MIB)
+    ha_ack_timeout: ConfigFloat = Field(default=10.0, gt=0, le=3600)
 
     # slow consumers (amqbroker.core.slow_consumers)
     slow_consumer_threshold: Annotated[ConfigFloat, AfterValidator(off_or_positive)] = -1.0

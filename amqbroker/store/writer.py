@@ -12,6 +12,15 @@ went to the journal. After each cycle the writer settles the waiting producers
 connections. A write that fails (OSError) is fatal: `on_failure` stops the broker, so
 that no message is accepted without being stored.
 
+Replication (issue 23): `replicator`, when set (a primary with `ha_role = primary`),
+is awaited in the same nursery as the local write of every cycle
+(`replicate(cycle, batch, pages)`), so the cycle completes only once both the local
+fsync and the backup's acknowledgement are done. It returns at once while no backup is
+in sync. Both halves are shielded from cancellation (the replicator bounds its waits
+by `ha_ack_timeout`, after which it drops the backup). Unset (None), the cycle is
+exactly the path without replication: no nursery, no extra await. The replicator
+also takes `lock` between cycles to snapshot the files for a full sync.
+
 Delivery log (`DeliveryLogLoop`): the buffer is written in a worker thread every
 `delivery_log_flush_interval`, or at once when it is a quarter full. A write that
 fails loses its batch (counted in `dropped`, logged) and the broker goes on.
@@ -37,14 +46,23 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import trio
 
 from amqbroker.store.delivery_log import DeliveryLogWriter
 from amqbroker.store.journal import Journal
-from amqbroker.store.paging import PageStore
+from amqbroker.store.journal_segments import Batch
+from amqbroker.store.paging import PageBatch, PageStore
 
 log = logging.getLogger("amqbroker")
+
+
+class Replicator(Protocol):
+    """What the store cycle awaits next to its local write (see the module docstring)."""
+
+    async def replicate(self, cycle: int, batch: Batch | None, pages: PageBatch | None) -> None:
+        """Return once the backup in sync (if any) has this cycle durably."""
 
 
 class _Deadline:
@@ -100,6 +118,8 @@ class StoreWriter:
         self._lot = trio.lowlevel.ParkingLot()
         #: one batch at a time: the writer loop and the final flush both commit
         self._lock = trio.Lock()
+        #: the primary's replication (None: no HA, the cycle path is unchanged)
+        self.replicator: Replicator | None = None
         self._deadline = _Deadline()
         #: store cycles taken / complete; journal batch_no right after the last take;
         #: (cycle, journal batch it needs synced) for cycles not yet complete
@@ -172,19 +192,30 @@ class StoreWriter:
             if batch is not None:
                 j.write_batch(batch)
 
-        if self.sync:
+        rep = self.replicator
+        if rep is not None:
+            written = True
+            cycle = self.cycle
+
+            async def local() -> None:
+                nonlocal written
+                if self.sync:
+                    written = await self._deadline.run_sync(write)
+                else:
+                    write()
+
+            # shielded like the local write: a cycle taken is completed even when the
+            # loop is cancelled (the replicator bounds its own waits: ha_ack_timeout)
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as n:
+                    n.start_soon(local)
+                    n.start_soon(rep.replicate, cycle, batch, pages)
+            if not written:
+                self._abandon(batch, pages)
+                return False
+        elif self.sync:
             if not await self._deadline.run_sync(write):
-                self.abandoned = True
-                log.critical(
-                    "the store in %s did not finish writing within shutdown_timeout; "
-                    "abandoned store cycle %d (%s%s); producers waiting for it were not "
-                    "settled, and the journal is recovered from what reached the disk on "
-                    "the next start",
-                    self.data_dir,
-                    self.cycle,
-                    f"{batch.records} journal record(s)" if batch is not None else "",
-                    ", page records" if pages is not None else "",
-                )
+                self._abandon(batch, pages)
                 return False
         else:
             write()  # no fsync: cheap enough for the event loop
@@ -205,6 +236,24 @@ class StoreWriter:
         self.settled(done)
         self._flush()
         return True
+
+    def _abandon(self, batch: Batch | None, pages: PageBatch | None) -> None:
+        self.abandoned = True
+        log.critical(
+            "the store in %s did not finish writing within shutdown_timeout; "
+            "abandoned store cycle %d (%s%s); producers waiting for it were not "
+            "settled, and the journal is recovered from what reached the disk on "
+            "the next start",
+            self.data_dir,
+            self.cycle,
+            f"{batch.records} journal record(s)" if batch is not None else "",
+            ", page records" if pages is not None else "",
+        )
+
+    @property
+    def lock(self) -> trio.Lock:
+        """Held for a whole store cycle: whoever holds it sees no cycle in progress."""
+        return self._lock
 
     async def final_flush(self) -> None:
         """Write everything buffered (shutdown); a failure sets `failed`."""

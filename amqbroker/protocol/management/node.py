@@ -27,7 +27,8 @@ Extensions: a higher layer registers a handler per request `type`
 and a `respond(status, description, body)` callable it may call later (an answer
 that waits for a disk sync or another node); the request transfer itself is accepted
 at once. `targets` maps extra link target addresses (`$cluster.inbound`) to a link
-handler factory `(connection, link) -> handler`.
+handler factory `(connection, link) -> handler`; `sources` does the same for extra
+link source addresses a peer receives from (the primary's `$ha.replication`).
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class ManagementNode:
         self.extensions: dict[str, ExtensionHandler] = {}
         #: extra link target address -> handler factory (conn, link) -> link handler
         self.targets: dict[str, Callable[[AmqpConnection, Any], Any]] = {}
+        #: extra link source address -> handler factory (conn, link) -> link handler
+        self.sources: dict[str, Callable[[AmqpConnection, Any], Any]] = {}
 
     def register(self, type_name: str, handler: ExtensionHandler) -> None:
         self.extensions[type_name] = handler

@@ -53,7 +53,7 @@ import math
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,9 @@ from amqbroker.core.broker import Broker
 from amqbroker.core.queue_records import restore_queue
 from amqbroker.core.slow_consumers import KILL, SlowConsumerDetector
 from amqbroker.core.timers import Timers
-from amqbroker.ha.mirror import Mirror, read_state
-from amqbroker.ha.primary import Primary
+from amqbroker.ha.backup_mode import build_mirror, run_mirror
+from amqbroker.ha.mirror import Mirror
+from amqbroker.ha.primary import Primary, serve_replication
 from amqbroker.net.driver import Hub
 from amqbroker.net.listener import ListenError, accept_loop, bind, bound_address
 from amqbroker.net.server import ConnectionServer
@@ -78,7 +79,6 @@ from amqbroker.net.tls import TlsConfigError, server_context
 from amqbroker.protocol.codec import ScannerCodec
 from amqbroker.protocol.connection import AmqpConnection, ConnectionLimits
 from amqbroker.protocol.fastpath import check_binding
-from amqbroker.protocol.ha_links import REPLICATION_ADDRESS, replication_factory
 from amqbroker.protocol.links import ConsumerLink, SyncTracker
 from amqbroker.protocol.management import ManagementNode
 from amqbroker.protocol.scanner import log_message_id
@@ -161,6 +161,11 @@ class BrokerApp:
         #: the primary's epoch, stamped on every replication frame (a backup refuses
         #: a primary older than one it followed); the ZooKeeper lease sets it
         self.ha_epoch: Callable[[], int] = lambda: 0
+        #: asked before a store cycle no backup acknowledged completes (the pair's
+        #: lease: False fences this primary); None: always allowed
+        self.ha_alone: Callable[[], Awaitable[bool]] | None = None
+        #: where clients may fail over to (the open's failover-server-list)
+        self.failover_servers: Callable[[], list[tuple[str, int]]] | None = None
 
     # ---------------------------------------------------------------- clock
     def clock(self) -> float:
@@ -317,20 +322,14 @@ class BrokerApp:
                 self._close_store()
                 raise StartupError(str(exc)) from exc
         if self.ha_role == "primary":
-            self.primary = Primary(
+            self.primary = serve_replication(
+                s,
                 self.store,
                 data_dir,
                 flush=self.hub.flush,
-                sync=s.ha_sync,
-                window=s.ha_window,
-                chunk_bytes=s.ha_chunk_bytes,
-                max_queued_bytes=s.ha_max_queued_bytes,
-                ack_timeout=s.ha_ack_timeout,
+                sources=self.management.sources,
                 epoch=self._current_epoch,  # late-bound: the lease may set ha_epoch
-            )
-            self.store.replicator = self.primary
-            self.management.sources[REPLICATION_ADDRESS] = replication_factory(
-                self.primary, self._authorize_replication
+                alone=self._alone,
             )
         self.hub.after_flush.append(self.store.wake)
         limits = ConnectionLimits(
@@ -348,6 +347,7 @@ class BrokerApp:
             output_low_water=s.output_low_water,
             route_tracer=self.telemetry.route_tracer if self.telemetry else None,
             dispatch_tracer=self.telemetry.dispatch_tracer if self.telemetry else None,
+            failover_servers=self.failover_servers,
         )
         self.server = ConnectionServer(
             self.hub,
@@ -360,14 +360,8 @@ class BrokerApp:
     def _current_epoch(self) -> int:
         return self.ha_epoch()
 
-    def _authorize_replication(self, conn: AmqpConnection) -> str | None:
-        user = self.settings.cluster_user
-        if not user or conn.user != user:
-            return (
-                f"{REPLICATION_ADDRESS} is for the cluster user{f' {user!r}' if user else ''} "
-                "only; check cluster_user/cluster_password on the backup"
-            )
-        return None
+    async def _alone(self) -> bool:
+        return True if self.ha_alone is None else await self.ha_alone()
 
     def _new_connection(
         self, limits: ConnectionLimits, conn_id: str, peer: str, tls_identity: str | None
@@ -421,76 +415,29 @@ class BrokerApp:
             )
             self._promote.set()
 
-    def _build_mirror(self) -> Mirror:
-        s = self.settings
-        data_dir = Path(s.data_dir).expanduser().resolve()
-        try:
-            data_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StartupError(f"cannot create the data directory {data_dir}: {exc}") from exc
-        self.data_dir = data_dir
-        host, port = parse_listener(s.ha_primary)
-        mirror = Mirror(
-            data_dir,
-            host=host,
-            port=port,
-            user=s.cluster_user,
-            password=s.cluster_password,
-            window=s.ha_window,
-            sync=s.store_sync,
-            idle_timeout=s.idle_timeout,
-            backoff_initial=s.cluster_reconnect_initial,
-            backoff_max=s.cluster_reconnect_max,
-            hub=self.hub,
-            node_id=s.node_id or s.cluster_node_id or "backup",
-        )
-        self.mirror = mirror
-        state = read_state(data_dir)
-        log.info(
-            "amqbroker %s HA backup of %s; data in %s (%s)",
-            __version__,
-            s.ha_primary,
-            data_dir,
-            f"copy of stream {state.get('stream', '?')[:8]}, epoch {state.get('epoch')}"
-            if state
-            else "no copy in sync yet",
-        )
-        return mirror
-
     async def _run_mirror(self, task_status: trio.TaskStatus[BrokerApp], signals: bool) -> bool:
         """Mirror the primary until promoted (True) or asked to stop (False)."""
-        mirror = self._build_mirror()
-        promoted = False
-        async with trio.open_nursery() as n:
-            await n.start(mirror.run)
-            if signals:
-                await n.start(self._mirror_signal_loop)
+        try:
+            self.mirror = build_mirror(self.settings, self.hub)
+        except OSError as exc:
+            raise StartupError(f"cannot create the data directory: {exc}") from exc
+        self.data_dir = self.mirror.data_dir
+
+        def started() -> None:
             self._started = True
             task_status.started(self)
 
-            async def stop_on_shutdown() -> None:
-                await self._shutdown.wait()
-                n.cancel_scope.cancel()
-
-            n.start_soon(stop_on_shutdown)
-            await self._promote.wait()
-            promoted = True
-            n.cancel_scope.cancel()
-        self.mirror = None
-        if not promoted:
-            log.info("amqbroker HA backup stopped")
-        return promoted
-
-    async def _mirror_signal_loop(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as sigs:
-            task_status.started()
-            async for signum in sigs:
-                if signum == signal.SIGUSR1:
-                    self.promote()
-                else:
-                    self.request_shutdown()
+        try:
+            return await run_mirror(
+                self.mirror,
+                promoted=self._promote,
+                shutdown=self._shutdown,
+                signals=signals,
+                promote=self.promote,
+                started=started,
+            )
+        finally:
+            self.mirror = None
 
     # ---------------------------------------------------------- the broker
     async def _run_broker(

@@ -19,6 +19,10 @@ cluster user may). The primary then, in order:
    the backup's acknowledgement, which it sends once the batch is fsync'ed. A backup
    that does not acknowledge within `ha_ack_timeout`, rejects a frame or goes away is
    dropped; the primary goes on unreplicated.
+4. Alone: a cycle that no backup in sync acknowledged completes only once `alone`
+   (the pair's lease: take the next epoch the first time, so that a backup which
+   dropped out can never take over with its older copy; then confirm the lease
+   every cycle) says so; False fences the store (`StoreWriter.fenced`).
 
 Every attach starts a new stream (a random 16-byte id): a backup never merges a
 stream into a store of an older one. The primary logs a WARNING each time it starts
@@ -32,14 +36,17 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from amqbroker.ha import stream as st
-from amqbroker.protocol.ha_links import ReplicationLink
+from amqbroker.protocol.connection import AmqpConnection
+from amqbroker.protocol.ha_links import REPLICATION_ADDRESS, ReplicationLink, replication_factory
+from amqbroker.settings import Settings
 from amqbroker.store.journal_segments import SEGMENT_RE, Batch
 from amqbroker.store.paging import PageBatch
 from amqbroker.store.writer import StoreWriter
@@ -107,6 +114,7 @@ class Primary:
         max_queued_bytes: int = 256 << 20,
         ack_timeout: float = 10.0,
         epoch: Callable[[], int] = lambda: 0,
+        alone: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.store = store
         self.data_dir = data_dir
@@ -117,6 +125,10 @@ class Primary:
         self.max_queued_bytes = max_queued_bytes
         self.ack_timeout = ack_timeout
         self.epoch = epoch
+        #: asked before a cycle completes that no backup acknowledged: True lets it
+        #: complete, False fences this primary (its lease is gone: the cycle is never
+        #: answered). None (no lease): always True
+        self.alone = alone
         self.backup: BackupStream | None = None
         #: True once a backup is in sync, False after it was lost (None: never said)
         self._replicated: bool | None = None
@@ -234,12 +246,22 @@ class Primary:
 
         return done
 
-    async def replicate(self, cycle: int, batch: Batch | None, pages: PageBatch | None) -> None:
-        """The store cycle's half (StoreWriter.replicator): see the module docstring."""
+    async def replicate(self, cycle: int, batch: Batch | None, pages: PageBatch | None) -> bool:
+        """The store cycle's half (StoreWriter.replicator): see the module docstring.
+        False: this primary is fenced and the cycle must not be answered."""
+        if await self._replicated_by_backup(cycle, batch, pages):
+            return True
+        return True if self.alone is None else await self.alone()
+
+    async def _replicated_by_backup(
+        self, cycle: int, batch: Batch | None, pages: PageBatch | None
+    ) -> bool:
+        """Send the cycle to the backup; True once a backup in sync acknowledged it
+        (with ha_sync off: once it was sent to a backup in sync)."""
         b = self.backup
         if b is None or b.state == DROPPED:
             self._say_unreplicated("no backup attached")
-            return
+            return False
         frame = st.encode_batch(self.epoch(), b.stream, cycle, batch, pages)
         if b.state != IN_SYNC:
             if b.state == CATCHUP:
@@ -253,7 +275,7 @@ class Primary:
                         f"{b.queued_bytes} byte(s) of batches queued while catching up "
                         f"exceed ha_max_queued_bytes ({self.max_queued_bytes})",
                     )
-            return
+            return False
         acked = trio.Event()
         ok = True
 
@@ -265,13 +287,15 @@ class Primary:
                 self._drop(b, f"the backup answered {outcome} to cycle {cycle}")
 
         if not await self._send(b, frame, done):
-            return
+            return False
         if not self.sync:
-            return
+            return True
         with trio.move_on_after(self.ack_timeout):
             await acked.wait()
         if not acked.is_set():
             self._drop(b, f"cycle {cycle} not acknowledged within ha_ack_timeout")
+            return False
+        return ok
 
     # ---------------------------------------------------------- full sync
     def _open_snapshot(self) -> list[tuple[str, int, int]]:
@@ -350,3 +374,43 @@ class Primary:
             b.link.peer,
             b.stream.hex()[:8],
         )
+
+
+def serve_replication(
+    s: Settings,
+    store: StoreWriter,
+    data_dir: Path,
+    *,
+    flush: Callable[[], object],
+    sources: dict[str, Any],
+    epoch: Callable[[], int],
+    alone: Callable[[], Awaitable[bool]],
+) -> Primary:
+    """A primary's replication: the `Primary` as `store`'s replicator, and the
+    `$ha.replication` source (in the management node's `sources`) for the cluster user
+    only."""
+    primary = Primary(
+        store,
+        data_dir,
+        flush=flush,
+        sync=s.ha_sync,
+        window=s.ha_window,
+        chunk_bytes=s.ha_chunk_bytes,
+        max_queued_bytes=s.ha_max_queued_bytes,
+        ack_timeout=s.ha_ack_timeout,
+        epoch=epoch,
+        alone=alone,
+    )
+    store.replicator = primary
+    user = s.cluster_user
+
+    def authorize(conn: AmqpConnection) -> str | None:
+        if not user or conn.user != user:
+            return (
+                f"{REPLICATION_ADDRESS} is for the cluster user{f' {user!r}' if user else ''} "
+                "only; check cluster_user/cluster_password on the backup"
+            )
+        return None
+
+    sources[REPLICATION_ADDRESS] = replication_factory(primary, authorize)
+    return primary

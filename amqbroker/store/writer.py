@@ -19,7 +19,9 @@ fsync and the backup's acknowledgement are done. It returns at once while no bac
 in sync. Both halves are shielded from cancellation (the replicator bounds its waits
 by `ha_ack_timeout`, after which it drops the backup). Unset (None), the cycle is
 exactly the path without replication: no nursery, no extra await. The replicator
-also takes `lock` between cycles to snapshot the files for a full sync.
+also takes `lock` between cycles to snapshot the files for a full sync. A replicator
+that answers False fences the store (`fenced`: a primary whose lease is gone): that
+cycle and every later one are never answered, and `on_failure` stops the broker.
 
 Delivery log (`DeliveryLogLoop`): the buffer is written in a worker thread every
 `delivery_log_flush_interval`, or at once when it is a quarter full. A write that
@@ -61,8 +63,10 @@ log = logging.getLogger("amqbroker")
 class Replicator(Protocol):
     """What the store cycle awaits next to its local write (see the module docstring)."""
 
-    async def replicate(self, cycle: int, batch: Batch | None, pages: PageBatch | None) -> None:
-        """Return once the backup in sync (if any) has this cycle durably."""
+    async def replicate(self, cycle: int, batch: Batch | None, pages: PageBatch | None) -> bool:
+        """Return once the backup in sync (if any) has this cycle durably: True, or
+        False when this store is fenced (a primary that lost its lease): the cycle
+        must never be answered."""
 
 
 class _Deadline:
@@ -131,6 +135,9 @@ class StoreWriter:
         self.abandoned = False
         #: a write failed (OSError): the broker stops with exit code 3
         self.failed = False
+        #: the replicator fenced this store (a primary without its lease): no cycle
+        #: completes any more
+        self.fenced = False
 
     def wake(self) -> None:
         """Something may be buffered (the hub calls it after every flush)."""
@@ -150,7 +157,7 @@ class StoreWriter:
     async def run(self) -> None:
         j = self.journal
         pager = self.pager
-        while not self.abandoned:
+        while not (self.abandoned or self.fenced):
             if not (j.pending or pager.pending):
                 await self._lot.park()
                 continue
@@ -174,7 +181,7 @@ class StoreWriter:
         write (+ fsync in a worker thread) both, complete them; settle the producers
         whose cycle is complete. False when nothing was buffered (or the store was
         abandoned)."""
-        if self.abandoned:
+        if self.abandoned or self.fenced:
             return False
         j = self.journal
         pager = self.pager
@@ -206,12 +213,21 @@ class StoreWriter:
 
             # shielded like the local write: a cycle taken is completed even when the
             # loop is cancelled (the replicator bounds its own waits: ha_ack_timeout)
+            allowed = True
+
+            async def remote() -> None:
+                nonlocal allowed
+                allowed = await rep.replicate(cycle, batch, pages)
+
             with trio.CancelScope(shield=True):
                 async with trio.open_nursery() as n:
                     n.start_soon(local)
-                    n.start_soon(rep.replicate, cycle, batch, pages)
+                    n.start_soon(remote)
             if not written:
                 self._abandon(batch, pages)
+                return False
+            if not allowed:
+                self._fence(cycle)
                 return False
         elif self.sync:
             if not await self._deadline.run_sync(write):
@@ -236,6 +252,16 @@ class StoreWriter:
         self.settled(done)
         self._flush()
         return True
+
+    def _fence(self, cycle: int) -> None:
+        """The replicator says this primary lost its lease: nothing more is answered."""
+        self.fenced = True
+        log.critical(
+            "HA: this primary lost its lease (another member may be live); store cycle "
+            "%d and every later one are never answered, and the broker stops serving",
+            cycle,
+        )
+        self._on_failure()
 
     def _abandon(self, batch: Batch | None, pages: PageBatch | None) -> None:
         self.abandoned = True

@@ -166,6 +166,9 @@ class BrokerApp:
         self.ha_alone: Callable[[], Awaitable[bool]] | None = None
         #: where clients may fail over to (the open's failover-server-list)
         self.failover_servers: Callable[[], list[tuple[str, int]]] | None = None
+        #: a backup's mirror tells it each change of its copy's claim (the epoch the
+        #: copy is complete for, None: none); set by the pair before run
+        self.mirror_claim: Callable[[int | None], None] | None = None
 
     # ---------------------------------------------------------------- clock
     def clock(self) -> float:
@@ -422,6 +425,7 @@ class BrokerApp:
         except OSError as exc:
             raise StartupError(f"cannot create the data directory: {exc}") from exc
         self.data_dir = self.mirror.data_dir
+        self.mirror.on_claim = self.mirror_claim
 
         def started() -> None:
             self._started = True

@@ -76,6 +76,7 @@ def run(
     import trio
 
     from amqbroker.app import BrokerApp, StartupError
+    from amqbroker.pair import uses_lease
     from amqbroker.settings import SettingsError, load_settings
     from amqbroker.store.journal import JournalError
     from amqbroker.tools.instance import InstanceError, enter_instance
@@ -96,6 +97,8 @@ def run(
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from exc
     _setup_logging(settings.log_level)
+    if uses_lease(settings):
+        _run_pair(settings)
     app = BrokerApp(settings)
     try:
         # the start banner is the app's log line ("amqbroker V listening on URL, ...;
@@ -106,6 +109,25 @@ def run(
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(app.exit_code)
+
+
+def _run_pair(settings: Any) -> None:
+    """A member of a primary/backup pair whose live member ZooKeeper decides."""
+    import trio
+
+    from amqbroker.app import StartupError
+    from amqbroker.ha.lease import LeaseUnavailable
+    from amqbroker.pair import PairMember
+    from amqbroker.store.journal import JournalError
+
+    member = PairMember(settings)
+    try:
+        trio.run(lambda: member.run(handle_signals=True))
+    except (StartupError, JournalError, LeaseUnavailable) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(member.exit_code)
 
 
 @click.command("hash-password")

@@ -113,11 +113,17 @@ class MirrorStore:
         self._staging_fds: dict[str, int] = {}
         self._journal: SegmentFiles | None = None
         self._pages: PageStore | None = None
+        #: the epoch the data dir's copy is complete for, as its marker says (None:
+        #: no marker: the copy claims nothing); it survives a lost link (what was
+        #: acknowledged stays complete for that epoch) and goes with a new stream or
+        #: a failed write
+        self.claimed: int | None = None
         state = read_state(data_dir)
         if state is not None:
             # a copy in sync with an older stream: kept until a new snapshot replaces
             # it (promote may use it), never appended to
             self.epoch = int(state.get("epoch", 0))
+            self.claimed = self.epoch
 
     @property
     def staging(self) -> Path:
@@ -137,6 +143,7 @@ class MirrorStore:
         """Stop claiming to be in sync (the next stream starts over)."""
         self.in_sync = False
         self.stream = None
+        self.claimed = None
         self.close()
         with contextlib.suppress(OSError):
             clear_state(self.data_dir)
@@ -217,6 +224,7 @@ class MirrorStore:
         write_state(self.data_dir, {"epoch": h.epoch, "stream": h.stream.hex(), "in_sync": True})
         self._open_live()
         self.in_sync = True
+        self.claimed = h.epoch
 
     def _open_live(self) -> None:
         jdir = self.data_dir / "journal"
@@ -281,6 +289,10 @@ class Mirror:
         self.node_id = node_id
         data_dir.mkdir(parents=True, exist_ok=True)
         self.store = MirrorStore(data_dir, sync=sync)
+        #: told the store's claim (`MirrorStore.claimed`) each time it changes (the
+        #: pair makes this process a candidate for the lease, or withdraws it)
+        self.on_claim: Callable[[int | None], None] | None = None
+        self._claim_told = self.store.claimed
         self._queue: collections.deque[tuple[int, bytes, Callable[[bool], None], int]] = (
             collections.deque()
         )
@@ -480,6 +492,16 @@ class Mirror:
             self.hub.flush()
 
     async def _apply(self, raw: bytes) -> bool:
+        try:
+            return await self._apply_frame(raw)
+        finally:
+            claimed = self.store.claimed
+            if claimed != self._claim_told:
+                self._claim_told = claimed
+                if self.on_claim is not None:
+                    self.on_claim(claimed)
+
+    async def _apply_frame(self, raw: bytes) -> bool:
         store = self.store
         try:
             try:

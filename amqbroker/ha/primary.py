@@ -135,6 +135,9 @@ class Primary:
         self._nursery: trio.Nursery | None = None
         self._pending: list[BackupStream] = []
         self.full_syncs = 0
+        #: cycles a backup in sync took (the pair's lease bumps the epoch again when
+        #: this primary answers alone after any of them)
+        self.backed_cycles = 0
         self.dropped = 0
         #: set (then replaced) each time a backup is in sync (tests wait on it)
         self.synced = trio.Event()
@@ -250,6 +253,7 @@ class Primary:
         """The store cycle's half (StoreWriter.replicator): see the module docstring.
         False: this primary is fenced and the cycle must not be answered."""
         if await self._replicated_by_backup(cycle, batch, pages):
+            self.backed_cycles += 1
             return True
         return True if self.alone is None else await self.alone()
 

@@ -133,6 +133,8 @@ TRANSITIONS: Final[dict[tuple[State, Event], Transition]] = {
     (S.LIVE, E.NO_LIVE): Transition((A.STOP_SERVING,), S.STOPPING),
     (S.LIVE, E.LIVE): Transition((), S.LIVE),
     (S.STOPPING, E.STOPPED): Transition((A.CANDIDATE,), S.WAITING),
+    # the broker stopped on its own while live (a store failure): the lease goes
+    (S.LIVE, E.STOPPED): Transition((A.WITHDRAW,), S.WAITING),
     (S.STOPPING, E.LOST): Transition((), S.STOPPING),
     (S.STOPPING, E.STANDBY): Transition((), S.STOPPING),
     (S.STOPPING, E.LIVE_MOVED): Transition((), S.STOPPING),

@@ -85,11 +85,22 @@ def check_cross_fields(settings: Settings) -> None:
             },
             "cluster_reconnect_initial must not exceed cluster_reconnect_max",
         )
-    if settings.ha_role == "backup" and not settings.ha_primary:
+    if settings.ha_role == "backup" and not settings.ha_primary and not settings.cluster_zookeeper:
         raise CrossFieldError(
             {"ha_role": settings.ha_role, "ha_primary": settings.ha_primary},
             "a backup (ha_role = backup) needs ha_primary, the host:port of its primary's "
-            "AMQP listener",
+            "AMQP listener, or cluster_zookeeper (the lease in ZooKeeper names the live "
+            "member to mirror)",
+        )
+    if (
+        settings.ha_role
+        and settings.cluster_zookeeper
+        and not (settings.cluster_node_id or settings.node_id)
+    ):
+        raise CrossFieldError(
+            {"ha_role": settings.ha_role, "cluster_node_id": settings.cluster_node_id},
+            "a primary/backup pair with cluster_zookeeper needs the node id both members "
+            "share: set cluster_node_id (in a cluster) or node_id",
         )
     if settings.ha_role and not settings.cluster_user:
         raise CrossFieldError(

@@ -168,6 +168,7 @@ class Settings(BaseSettings):
     # primary/backup replication (issue 23; amqbroker.ha)
     ha_role: Literal["", "primary", "backup"] = ""
     ha_primary: Annotated[str, AfterValidator(check_optional_listener)] = ""
+    ha_advertise: Annotated[str, AfterValidator(check_optional_listener)] = ""
     ha_sync: bool = True
     ha_window: ConfigInt = Field(default=64, ge=1, le=10_000)
     ha_chunk_bytes: ConfigInt = Field(default=MIB, ge=4 * KIB, le=64 * MIB)

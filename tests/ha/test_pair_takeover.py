@@ -196,3 +196,51 @@ async def test_a_paused_primary_answers_nothing_after_the_takeover_and_rejoins_a
     assert got == list(range(100))
     assert await backup.stop() == 0
     assert await primary.stop() == 0
+
+
+async def test_a_killed_backup_leaves_the_primary_alone_under_a_new_epoch_then_catches_up(
+    procs: BrokerProcesses,
+    tmp_path: Path,
+    nursery: trio.Nursery,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+    zk_path: str,  # noqa: F811
+) -> None:
+    p_port, b_port = free_port(), free_port()
+    primary = await member(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
+    await live(primary, p_port, 1)
+    backup = await member(procs, "backup", tmp_path / "b", b_port, zookeeper, zk_path)
+    await backup_in_sync(backup, 1)
+    await primary.wait_for_line(r"HA primary: backup at .* is in sync", timeout=WAIT)
+
+    accepted: list[int] = []
+    loaded = trio.Event()
+
+    async def load(lo: int, hi: int) -> None:
+        try:
+            await produce(p_port, nursery, lo, hi, accepted, batch=20)
+        finally:
+            loaded.set()
+
+    nursery.start_soon(load, 0, 1500)
+    await backup.crash()  # the backup dies under load
+    # the primary answers alone only under a new epoch: the dead backup's copy (epoch
+    # 1) can never become live, whatever it holds
+    await primary.wait_for_line(r"answers without a backup in sync; took epoch 2", timeout=WAIT)
+    with trio.fail_after(WAIT):
+        await loaded.wait()
+    assert len(accepted) == 1500
+
+    # restarted, it claims epoch 1 (stale), mirrors the live member and is a
+    # candidate again only with a full copy of epoch 2, caught up while load runs
+    loaded = trio.Event()
+    nursery.start_soon(load, 1500, 2500)
+    backup = await member(procs, "backup", tmp_path / "b", b_port, zookeeper, zk_path)
+    await backup_in_sync(backup, 2)
+    with trio.fail_after(WAIT):
+        await loaded.wait()
+    assert len(accepted) == 2500
+    await primary.crash()
+    await live(backup, b_port, 3)
+    got = await consume_all(b_port, nursery)
+    assert got == list(range(2500))
+    assert await backup.stop() == 0

@@ -154,7 +154,8 @@ def read_epoch(client: Any, path: str, watch: Callable[[Any], None] | None, hint
 
 def commit_epoch(client: Any, own_node: str, path: str, doc: bytes, version: int) -> bool:
     """Rewrite the epoch znode `path` with `doc` if it still has `version` and `own_node`
-    (the writer's ephemeral znode, never rewritten) still exists, in one transaction.
+    (the writer's ephemeral znode; its data may have been rewritten: any version) still
+    exists, in one transaction.
 
     False when either check failed (the epoch moved, or the session lost its znode: look
     again); other failures raise.
@@ -162,7 +163,7 @@ def commit_epoch(client: Any, own_node: str, path: str, doc: bytes, version: int
     from kazoo.exceptions import BadVersionError, NoNodeError, RolledBackError
 
     tx = client.transaction()
-    tx.check(own_node, 0)
+    tx.check(own_node, -1)  # -1: exists, whatever its version
     tx.set_data(path, doc, version=version)
     results = tx.commit()
     if any(isinstance(r, BadVersionError | NoNodeError | RolledBackError) for r in results):

@@ -12,17 +12,20 @@ worker thread, fence and epoch compare-and-set this module shares through
 ``<path>/ha/<node_id>/``:
 
 * ``members/m_<seq>``: an *ephemeral sequential* znode per **eligible** member (JSON
-  ``{"member": id, "address": "host:port"}``). A member is eligible once it calls
+  ``{"member": id, "address": "host:port", "synced": epoch}``, rewritten when the
+  member's copy changes epoch). A member is eligible once it calls
   `ZkLease.candidate` with ``synced_epoch``, the epoch its store is a complete copy of
   (a backup: the epoch of the live it finished syncing from; a primary restarting on
   its own store: the epoch it last served under, kept by `save_served_epoch`). It
   stops being eligible on `ZkLease.withdraw`, when it leaves (the znode is deleted) or
   when its ZooKeeper session ends (ZooKeeper deletes the znode). Sorted by sequence,
-  the members give the order; the first may take over;
+  the members whose ``synced`` is the current epoch give the order; the first of them
+  may take over (a stale member ahead, say an older copy restarted first, blocks
+  nobody), and nobody takes over while the epoch's live member znode exists;
 * ``epoch``: JSON ``{"epoch": n, "live": id, "address": addr, "znode": m_<seq>}``,
   created with epoch 0 (nobody live) by the first member to connect. To become live,
-  a member that is first among the eligible members **and** whose ``synced_epoch``
-  equals the epoch it read rewrites it with ``n + 1`` and itself, in one ZooKeeper
+  a member that is first among the eligible members in sync **and** whose
+  ``synced_epoch`` equals the epoch it read rewrites it with ``n + 1`` and itself, in one ZooKeeper
   transaction that also checks that its own member znode still exists and that the
   epoch znode still has the version it read (`amqbroker.cluster.zk.commit_epoch`). So
   an epoch is given to at most one member, only while its session lives, only to a
@@ -59,6 +62,9 @@ Invariants
   committed and while its member znode exists; otherwise ``None`` (nobody live right
   now). A member never names itself (a stale incarnation) as the live of someone
   else.
+* A live member may take the next epoch while it stays live (`ZkLease.bump`, the same
+  compare-and-set): a primary does so before it answers a store cycle no backup
+  acknowledged, so a backup that dropped out can never become live with its copy.
 * `ZkLease.fence` is the highest epoch seen; it never decreases (check replication
   records and peer messages against it). Callbacks come on the trio thread, one at a
   time, in the order the worker saw the changes, only when (role, live member,
@@ -266,6 +272,7 @@ class ZkLease(ZkWorker[LeaseView]):
         self._view_changed = trio.Event()  # set (and replaced) at every new view
         # worker-thread state
         self._my_session: int | None = None
+        self._my_synced: int | None = None  # the epoch our member znode names
         self._prepared_session: int | None = None
         self._live_epoch = 0  # the epoch of our current live period, 0 if not live
         self._live_gen = 0  # the connection generation it was taken in
@@ -392,8 +399,14 @@ class ZkLease(ZkWorker[LeaseView]):
                 doc = {"epoch": 0, "live": None, "address": None, "znode": None}
                 client.create(self._epoch_path, json.dumps(doc).encode())
             self._prepared_session = session
+        if synced is not None and self._my_node is not None and self._my_synced != synced:
+            # the copy's epoch changed (a resync, a takeover): the others must see it
+            mine = {"member": self.member_id, "address": self.address, "synced": synced}
+            with contextlib.suppress(NoNodeError):  # gone: found again below
+                client.set(self._my_node, json.dumps(mine).encode())
+                self._my_synced = synced
         if synced is not None and self._my_node is None:
-            znode_doc = {"member": self.member_id, "address": self.address}
+            znode_doc = {"member": self.member_id, "address": self.address, "synced": synced}
             try:
                 self._my_node = client.create(
                     f"{self._members_path}/{MEMBER_PREFIX}",
@@ -401,6 +414,7 @@ class ZkLease(ZkWorker[LeaseView]):
                     ephemeral=True,
                     sequence=True,
                 )
+                self._my_synced = synced
             except NoNodeError:
                 self._prepared_session = None  # the path was deleted: create it again
                 self._wake.put("path gone")
@@ -432,7 +446,19 @@ class ZkLease(ZkWorker[LeaseView]):
         members = [_member_id(d) for d in data]
         addresses = [_member_address(d) for d in data]
 
-        if my_name is not None and synced is not None and children[0] == my_name:
+        # the first member whose copy is of the current epoch may take over: a stale
+        # member ahead of it (an older copy restarted first) must not block it. A
+        # member znode without "synced" (an older version) counts as in sync
+        in_sync = [
+            c
+            for c, d in zip(children, data, strict=True)
+            if (synced if c == my_name else _member_synced(d)) in (None, current.epoch)
+        ]
+        first = in_sync[0] if in_sync else children[0] if children else None
+        # a member of the current epoch's live znode, other than us, is live: nobody
+        # takes over from it, whatever the order
+        live_other = current.znode in children and current.znode != my_name
+        if my_name is not None and synced is not None and first == my_name and not live_other:
             if (
                 self._live_epoch
                 and self._live_gen == self._eval_gen  # no connection change since
@@ -496,6 +522,14 @@ class ZkLease(ZkWorker[LeaseView]):
             if self._synced is not None:
                 self._synced = new
         self._refused = None
+        # our znode names the copy's new epoch at once: the others order by it
+        doc = {"member": self.member_id, "address": self.address, "synced": new}
+        try:
+            assert self._my_node is not None
+            self._client.set(self._my_node, json.dumps(doc).encode())
+            self._my_synced = new
+        except Exception:  # set again at the next evaluation
+            self._my_synced = None
         log.info(
             "HA lease of %s: member %s takes over with epoch %d", self.node_id, self.member_id, new
         )
@@ -525,6 +559,14 @@ class ZkLease(ZkWorker[LeaseView]):
             epoch,
             why,
         )
+
+
+def _member_synced(data: bytes) -> int | None:
+    try:
+        got = json.loads(data.decode("utf-8")).get("synced")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    return got if isinstance(got, int) else None
 
 
 def _member_address(data: bytes) -> str:

@@ -589,3 +589,38 @@ async def test_bump_by_a_member_that_is_not_live_is_refused(pair: Pair) -> None:
     with trio.fail_after(WAIT):
         assert await b.lease.bump(1) == 0
     assert a.view.epoch == 1 and await a.lease.confirm(1)
+
+
+async def test_a_stale_member_ahead_does_not_block_an_in_sync_one(pair: Pair) -> None:
+    """After both members died, the one with the older copy restarting first must not
+    keep the one with the current copy from becoming live."""
+    a = await pair.join("a", 0)
+    await a.wait(is_live(1), "a live")
+    with trio.fail_after(WAIT):
+        assert await a.lease.bump(1) == 2  # a answered alone: epoch 2
+    a.leave()  # nobody live; epoch 2 stays
+    stale = await pair.join("s", 1)  # a copy of epoch 1 restarts first
+    await stale.wait(standby_of(None, 2), "s standby, nobody live")
+    fresh = await pair.join("a", 2)  # a's own store (served epoch 2) restarts second
+    await fresh.wait(is_live(3), "a live at 3 although s is ahead")
+    await stale.wait(standby_of("a", 3), "s standby of a")
+    assert stale.recorder.live_epochs() == []
+
+
+async def test_a_member_resynced_ahead_of_the_live_never_takes_over_from_it(pair: Pair) -> None:
+    """A member whose znode is older than the live's (it was eligible first, with a
+    stale copy) and whose copy then becomes one of the live's epoch must not take
+    over from the live member."""
+    b = await pair.join("b", 5)  # first in order, but a copy of no epoch that exists
+    await b.wait(lambda v: v.eligible and v.role is LeaseRole.STANDBY, "b eligible")
+    s = await pair.join("s", 0)  # a fresh store may bootstrap: in sync at epoch 0
+    await s.wait(is_live(1), "s live although b is ahead")
+    b.lease.candidate(1)  # b's copy is now of epoch 1, and b is still ahead of s
+    await b.wait(lambda v: v.members == (member_id("b"), member_id("s")), "b ahead")
+    with trio.move_on_after(3 * SESSION_MS / 1000):
+        await b.wait(lambda v: v.role is LeaseRole.LIVE, "b must not take over from s")
+        pytest.fail("a standby took over from a live member")
+    assert s.view.role is LeaseRole.LIVE and s.view.epoch == 1
+    assert await s.lease.confirm(1)
+    s.leave()  # now b, in sync at 1, is the one to take over
+    await b.wait(is_live(2), "b live")

@@ -81,6 +81,19 @@ async def live(m: BrokerProcess, port: int, epoch: int) -> None:
     await m.wait_for_line(rf"listening on amqp://127\.0\.0\.1:{port}", timeout=WAIT)
 
 
+async def start_pair(
+    procs: BrokerProcesses, tmp_path: Path, zk: ZooKeeperServer, path: str
+) -> tuple[BrokerProcess, BrokerProcess, int, int]:
+    """A primary live at epoch 1 (data dir a) and its backup in sync (data dir b)."""
+    p_port, b_port = free_port(), free_port()
+    primary = await member(procs, "primary", tmp_path / "a", p_port, zk, path)
+    await live(primary, p_port, 1)
+    backup = await member(procs, "backup", tmp_path / "b", b_port, zk, path)
+    await backup_in_sync(backup, 1)
+    await primary.wait_for_line(r"HA primary: backup at .* is in sync", timeout=WAIT)
+    return primary, backup, p_port, b_port
+
+
 async def failover_list(port: int, nursery: trio.Nursery) -> set[tuple[str, int]]:
     c = await Client.connect(port, nursery=nursery)
     props = dict(c.conn.remote_properties or {})
@@ -100,12 +113,7 @@ async def test_sigkill_live_primary_backup_takes_over_and_the_old_primary_resync
     zookeeper: ZooKeeperServer,  # noqa: F811
     zk_path: str,  # noqa: F811
 ) -> None:
-    p_port, b_port = free_port(), free_port()
-    primary = await member(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
-    await live(primary, p_port, 1)
-    backup = await member(procs, "backup", tmp_path / "b", b_port, zookeeper, zk_path)
-    await backup_in_sync(backup, 1)
-    await primary.wait_for_line(r"HA primary: backup at .* is in sync", timeout=WAIT)
+    primary, backup, p_port, b_port = await start_pair(procs, tmp_path, zookeeper, zk_path)
 
     # the live member names both members to clients (once its lease saw the backup)
     want = {("127.0.0.1", p_port), ("127.0.0.1", b_port)}
@@ -165,12 +173,7 @@ async def test_a_paused_primary_answers_nothing_after_the_takeover_and_rejoins_a
     zookeeper: ZooKeeperServer,  # noqa: F811
     zk_path: str,  # noqa: F811
 ) -> None:
-    p_port, b_port = free_port(), free_port()
-    primary = await member(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
-    await live(primary, p_port, 1)
-    backup = await member(procs, "backup", tmp_path / "b", b_port, zookeeper, zk_path)
-    await backup_in_sync(backup, 1)
-    await primary.wait_for_line(r"HA primary: backup at .* is in sync", timeout=WAIT)
+    primary, backup, p_port, b_port = await start_pair(procs, tmp_path, zookeeper, zk_path)
     accepted: list[int] = []
     await produce(p_port, nursery, 0, 100, accepted)
     assert accepted == list(range(100))
@@ -205,12 +208,7 @@ async def test_a_killed_backup_leaves_the_primary_alone_under_a_new_epoch_then_c
     zookeeper: ZooKeeperServer,  # noqa: F811
     zk_path: str,  # noqa: F811
 ) -> None:
-    p_port, b_port = free_port(), free_port()
-    primary = await member(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
-    await live(primary, p_port, 1)
-    backup = await member(procs, "backup", tmp_path / "b", b_port, zookeeper, zk_path)
-    await backup_in_sync(backup, 1)
-    await primary.wait_for_line(r"HA primary: backup at .* is in sync", timeout=WAIT)
+    primary, backup, p_port, b_port = await start_pair(procs, tmp_path, zookeeper, zk_path)
 
     accepted: list[int] = []
     loaded = trio.Event()

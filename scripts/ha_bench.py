@@ -47,6 +47,10 @@ from amqbroker.core.auth import hash_password  # noqa: E402
 USER, PASSWORD = "cluster", "cluster-pw"
 
 
+def kv(pairs: list[str]) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in pairs)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,7 +138,8 @@ def perf(port: int, scenario: list[str], args: argparse.Namespace, setup: str) -
 
 
 def throughput(args: argparse.Namespace) -> None:
-    scenarios = [["--scenario", "E"], ["--scenario", "G1K", "--durable"]]
+    known = {"E": ["--scenario", "E"], "G1K": ["--scenario", "G1K", "--durable"]}
+    scenarios = [known[x] for x in args.scenarios.split(",")]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ha-bench-") as tmp:
         t = Path(tmp)
@@ -145,7 +150,7 @@ def throughput(args: argparse.Namespace) -> None:
                 primary = Proc(
                     p_port,
                     t / f"{tag}-p",
-                    base_env({"AMQBROKER_HA_ROLE": "primary"}),
+                    base_env({"AMQBROKER_HA_ROLE": "primary", **kv(args.primary_env)}),
                     t / f"{tag}-p.log",
                 )
                 backup = Proc(
@@ -156,6 +161,7 @@ def throughput(args: argparse.Namespace) -> None:
                             "AMQBROKER_HA_ROLE": "backup",
                             "AMQBROKER_HA_PRIMARY": f"127.0.0.1:{p_port}",
                             "AMQBROKER_LOG_LEVEL": "INFO",
+                            **kv(args.backup_env),
                         }
                     ),
                     t / f"{tag}-b.log",
@@ -281,6 +287,9 @@ def main() -> None:
     tp.add_argument("--runs", type=int, default=3)
     tp.add_argument("--count", type=int, default=50_000)
     tp.add_argument("--setups", default="alone,backup", help="alone, backup (comma-separated)")
+    tp.add_argument("--scenarios", default="E,G1K", help="E, G1K (grouped durable)")
+    tp.add_argument("--primary-env", action="append", default=[], metavar="NAME=VALUE")
+    tp.add_argument("--backup-env", action="append", default=[], metavar="NAME=VALUE")
     tk = sub.add_parser("takeover")
     tk.add_argument("--kills", type=int, default=10)
     tk.add_argument("--session-ms", type=int, default=4000)

@@ -332,9 +332,16 @@ class PairMember:
     async def _signal_loop(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as signals:
             task_status.started()
-            async for _ in signals:
+            async for signum in signals:
+                if signum == signal.SIGUSR1:
+                    log.warning(
+                        "received SIGUSR1 (promote): ignored, ZooKeeper decides which member "
+                        "of %s is live (stop the live member to hand over)",
+                        self.node_id,
+                    )
+                    continue
                 if self._shutdown.is_set():
                     log.warning("second signal: stopping now")
                     raise KeyboardInterrupt

@@ -2,7 +2,9 @@
 sockets: the management broker entity's `haStatus` (and its READ's `ha` map) as the
 primary's replication changes, and ``ha_unreplicated = "refuse"``: durable sends are
 rejected (amqp:resource-limit-exceeded) while no backup is in sync, accepted once one
-is, rejected again when it goes; non-durable sends always go through."""
+is, rejected again when it goes; non-durable sends always go through. A standby's
+telemetry exports the HA metrics, and its broker, once promoted, binds the same
+Prometheus port."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from proton import Delivery, Message
 from amqbroker.app import BrokerApp
 from amqbroker.ha.primary import REFUSED
 from tests.client import Client, wait_until
+from tests.cluster.cluster_helpers import free_port
 from tests.ha.test_full_sync import settings, start
+from tests.ha.test_pair_ops import scrape
 from tests.integration import mgmt
 
 
@@ -125,3 +129,40 @@ async def test_a_broker_without_ha_answers_an_empty_role(tmp_path: Path) -> None
         with trio.fail_after(10):
             await done.wait()
         n.cancel_scope.cancel()  # the aborted client's tasks
+
+
+async def test_a_standby_exports_ha_metrics_and_its_promoted_broker_binds_the_same_port(
+    tmp_path: Path,
+) -> None:
+    metrics_port = free_port()
+    async with trio.open_nursery() as n:
+        primary = BrokerApp(settings(tmp_path / "p", ha_role="primary"))
+        _, primary_done = await start(n, primary)
+        port = primary.listening[0][1]
+        backup = BrokerApp(
+            settings(
+                tmp_path / "b",
+                ha_role="backup",
+                ha_primary=f"127.0.0.1:{port}",
+                metrics_prometheus_port=metrics_port,
+            )
+        )
+        backup_listening, backup_done = await start(n, backup)
+        assert primary.primary is not None
+        await wait_until(lambda: backup.mirror is not None and backup.mirror.in_sync, 20)
+        m = await scrape(metrics_port)
+        assert m.value("amqbroker_ha_role", role="backup") == 1
+        assert m.value("amqbroker_ha_in_sync") == 1
+        primary.request_shutdown()
+        with trio.fail_after(10):
+            await primary_done.wait()
+        backup.promote()
+        with trio.fail_after(20):
+            await backup_listening.wait()
+        m = await scrape(metrics_port)
+        assert m.value("amqbroker_ha_role", role="primary") == 1
+        assert m.value("amqbroker_ha_unreplicated") == 1
+        assert "amqbroker_store_size_bytes" in m.types  # the broker's own metrics too
+        backup.request_shutdown()
+        with trio.fail_after(10):
+            await backup_done.wait()

@@ -24,6 +24,12 @@ cluster user may). The primary then, in order:
    dropped out can never take over with its older copy; then confirm the lease
    every cycle) says so; False fences the store (`StoreWriter.fenced`).
 
+Status: `Primary.status` (the report of `amqbroker.ha.status`) counts the lag as what
+the backup does not have yet: batches queued while it catches up plus frames sent and
+not yet acknowledged. With ``ha_unreplicated = "refuse"`` (`serve_replication`) the
+broker rejects durable client sends while no backup is in sync; the store cycles
+themselves are never held for it (step 4 still answers what is already in a cycle).
+
 Every attach starts a new stream (a random 16-byte id): a backup never merges a
 stream into a store of an older one. The primary logs a WARNING each time it starts
 running unreplicated and each time a backup is in sync again (not once per cycle).
@@ -448,9 +454,16 @@ def serve_replication(
     time this primary runs unreplicated; store cycles themselves are never held."""
     on_replicated = None
     if s.ha_unreplicated == "refuse":
-        broker.durable_refused = REFUSED
+        # Primary.run reports "unreplicated" at once, before any client is accepted
 
         def on_replicated(ok: bool) -> None:
+            if ok and broker.durable_refused is not None:
+                log.warning("HA primary: a backup is in sync: durable sends are accepted again")
+            elif not ok and broker.durable_refused is None:
+                log.warning(
+                    "HA primary: durable sends are refused (amqp:resource-limit-exceeded) "
+                    'until a backup is in sync (ha_unreplicated = "refuse")'
+                )
             broker.durable_refused = None if ok else REFUSED
 
     primary = Primary(

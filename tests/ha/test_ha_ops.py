@@ -8,9 +8,11 @@ Prometheus port."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from proton import Delivery, Message
 
@@ -48,8 +50,9 @@ def refused(d: Delivery) -> bool:
 
 
 async def test_refuse_mode_rejects_durable_sends_until_a_backup_is_in_sync(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="amqbroker.ha.primary")
     async with trio.open_nursery() as n:
         primary = BrokerApp(settings(tmp_path / "p", ha_role="primary", ha_unreplicated="refuse"))
         _, primary_done = await start(n, primary)
@@ -75,6 +78,7 @@ async def test_refuse_mode_rejects_durable_sends_until_a_backup_is_in_sync(
         with trio.fail_after(20):
             await primary.primary.synced.wait()
         assert (await send(c, durable=True)).remote_state == Delivery.ACCEPTED
+        assert "durable sends are accepted again" in caplog.text
         st = await ha_status(c)
         assert st["inSync"] and st["backupState"] == "in-sync" and not st["unreplicated"]
         assert not st["refusingDurable"]
@@ -93,6 +97,7 @@ async def test_refuse_mode_rejects_durable_sends_until_a_backup_is_in_sync(
         assert refused(await send(c, durable=True))
         st = await ha_status(c)
         assert st["unreplicated"] and st["refusingDurable"] and st["backupState"] == "none"
+        assert caplog.text.count("durable sends are refused") == 2  # at start, and now
         c.abort()
         primary.request_shutdown()
         with trio.fail_after(10):

@@ -2,7 +2,9 @@
 the live member's management broker entity (`haStatus`, asked over AMQP), `amqbroker
 cluster status` (its output), the Prometheus metrics of both the live member and the
 standby, and the role-change log lines; then the backup is killed and the live member
-shows that it runs unreplicated (and takes the next epoch once it answers alone)."""
+shows that it runs unreplicated (and takes the next epoch once it answers alone).
+With ha_unreplicated = "refuse" the live member rejects durable sends while no backup
+is in sync."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import trio
 from click.testing import CliRunner, Result
+from proton import Delivery, Message
 
 from tests.client import Client
 from tests.cluster.cluster_helpers import free_port
@@ -169,3 +172,54 @@ async def test_status_metrics_and_log_lines_of_a_pair_then_the_backup_dies(
     assert m.value("amqbroker_ha_unreplicated", node=NODE, member=p_id) == 1
     assert m.value("amqbroker_ha_epoch", node=NODE, member=p_id) == 2
     assert await primary.stop() == 0
+
+
+async def test_refuse_mode_in_a_pair(
+    procs: BrokerProcesses,  # noqa: F811
+    tmp_path: Path,
+    nursery: trio.Nursery,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+    zk_path: str,  # noqa: F811
+) -> None:
+    """ha_unreplicated = "refuse": the live member rejects durable sends until its
+    backup is in sync, accepts them while it is, and rejects them again once it died."""
+    p_port, b_port = free_port(), free_port()
+    env = {"AMQBROKER_HA_UNREPLICATED": "refuse"}
+    primary = await procs.spawn(
+        ["run", "--port", str(p_port), "--data-dir", str(tmp_path / "a")],
+        env={**member_env("primary", zookeeper, zk_path), **env},
+    )
+    await live(primary, p_port, 1)
+    assert await durable_send(p_port, nursery) == "refused"
+    st = await ha_status(p_port, nursery)
+    assert st["refusingDurable"] and st["unreplicatedPolicy"] == "refuse"
+    # (the refused send still made a store cycle, its queue's creation: answered
+    # alone, it takes the next epoch: the backup syncs at 1 or 2)
+    backup = await procs.spawn(
+        ["run", "--port", str(b_port), "--data-dir", str(tmp_path / "b")],
+        env={**member_env("backup", zookeeper, zk_path), **env},
+    )
+    await backup.wait_for_line(r"HA backup: in sync with the primary", timeout=WAIT)
+    await until_status(p_port, nursery, lambda s: s["inSync"] and not s["refusingDurable"])
+    assert await durable_send(p_port, nursery) == "accepted"
+    await backup.crash()
+    await until_status(p_port, nursery, lambda s: s["refusingDurable"])
+    assert await durable_send(p_port, nursery) == "refused"
+    await primary.wait_for_line(r"durable sends are refused", timeout=WAIT)
+    assert await primary.stop() == 0
+
+
+async def durable_send(port: int, nursery: trio.Nursery) -> str:
+    c = await Client.connect(port, nursery=nursery)
+    try:
+        s = await c.sender("orders")
+        d = await s.send(Message(body="x", durable=True), timeout=WAIT)
+    finally:
+        c.abort()
+    if d.remote_state == Delivery.ACCEPTED:
+        return "accepted"
+    cond = d.remote.condition
+    assert d.remote_state == Delivery.REJECTED and cond is not None, d.remote_state
+    assert cond.name == "amqp:resource-limit-exceeded", cond
+    assert "no backup is in sync" in (cond.description or ""), cond
+    return "refused"

@@ -69,9 +69,10 @@ from amqbroker.core.broker import Broker
 from amqbroker.core.queue_records import restore_queue
 from amqbroker.core.slow_consumers import KILL, SlowConsumerDetector
 from amqbroker.core.timers import Timers
-from amqbroker.ha.backup_mode import build_mirror, run_mirror
+from amqbroker.ha.backup_mode import build_mirror, run_mirror, say_promoted, standby_telemetry
 from amqbroker.ha.mirror import Mirror
-from amqbroker.ha.primary import Primary, serve_replication
+from amqbroker.ha.primary import Primary, answer_alone, serve_replication
+from amqbroker.ha.status import LeaseStatus, process_status, report
 from amqbroker.net.driver import Hub
 from amqbroker.net.listener import ListenError, accept_loop, bind, bound_address
 from amqbroker.net.server import ConnectionServer
@@ -162,8 +163,10 @@ class BrokerApp:
         #: a primary older than one it followed); the ZooKeeper lease sets it
         self.ha_epoch: Callable[[], int] = lambda: 0
         #: asked before a store cycle no backup acknowledged completes (the pair's
-        #: lease: False fences this primary); None: always allowed
-        self.ha_alone: Callable[[], Awaitable[bool]] | None = None
+        #: lease: False fences this primary); by default always allowed
+        self.ha_alone: Callable[[], Awaitable[bool]] = answer_alone
+        #: the pair member's view of the lease, for `ha_report` (set by the pair)
+        self.ha_lease: Callable[[], LeaseStatus] | None = None
         #: where clients may fail over to (the open's failover-server-list)
         self.failover_servers: Callable[[], list[tuple[str, int]]] | None = None
         #: a backup's mirror tells it each change of its copy's claim (the epoch the
@@ -317,6 +320,7 @@ class BrokerApp:
             broker,
             connections=lambda: list(self.hub.drivers),
             store_statistics=journal.statistics,
+            ha_status=self.ha_report if self.ha_role else None,
         )
         if s.cluster_node_id:
             try:
@@ -327,12 +331,13 @@ class BrokerApp:
         if self.ha_role == "primary":
             self.primary = serve_replication(
                 s,
+                broker,
                 self.store,
                 data_dir,
                 flush=self.hub.flush,
                 sources=self.management.sources,
-                epoch=self._current_epoch,  # late-bound: the lease may set ha_epoch
-                alone=self._alone,
+                epoch=lambda: self.ha_epoch(),  # noqa: PLW0108 (late-bound: set by the lease)
+                alone=lambda: self.ha_alone(),  # noqa: PLW0108 (late-bound)
             )
         self.hub.after_flush.append(self.store.wake)
         limits = ConnectionLimits(
@@ -359,12 +364,6 @@ class BrokerApp:
             new_connection=self._new_connection,
             tls_context=tls_context,
         )
-
-    def _current_epoch(self) -> int:
-        return self.ha_epoch()
-
-    async def _alone(self) -> bool:
-        return True if self.ha_alone is None else await self.ha_alone()
 
     def _new_connection(
         self, limits: ConnectionLimits, conn_id: str, peer: str, tls_identity: str | None
@@ -401,29 +400,30 @@ class BrokerApp:
     def ha_status(self) -> dict[str, Any]:
         """The HA role and its replication state (the backup's mirror counters, or
         the primary's stream to its backup); {"role": ""} without HA."""
-        if self.mirror is not None:
-            return {"role": "backup", **self.mirror.status()}
-        if self.primary is not None:
-            return {"role": self.ha_role, **self.primary.status()}
-        return {"role": self.ha_role}
+        return process_status(self.ha_role, self.mirror, self.primary)
+
+    def ha_report(self) -> dict[str, Any]:
+        """The operator's view: role, lease, lag (`amqbroker.ha.status.report`)."""
+        refusing = self.broker is not None and self.broker.durable_refused is not None
+        lease = self.ha_lease() if self.ha_lease is not None else None
+        return report(self.ha_status(), lease, self.settings.ha_unreplicated, refusing)
 
     def promote(self) -> None:
         """A backup stops mirroring and serves clients on its copy (the lease decides
         when; see issue 23). No effect unless the mirror runs."""
         if self.mirror is not None and not self._promote.is_set():
-            log.warning(
-                "HA backup: promoted; stopping the mirror (%s) and starting the broker on %s",
-                "in sync" if self.mirror.in_sync else "NOT in sync",
-                self.mirror.data_dir,
-            )
+            say_promoted(self.mirror)
             self._promote.set()
 
     async def _run_mirror(self, task_status: trio.TaskStatus[BrokerApp], signals: bool) -> bool:
-        """Mirror the primary until promoted (True) or asked to stop (False)."""
+        """Mirror the primary (telemetry: HA metrics) until promoted (True) or stopped."""
         try:
             self.mirror = build_mirror(self.settings, self.hub)
+            telemetry = standby_telemetry(self.settings, self)
         except OSError as exc:
             raise StartupError(f"cannot create the data directory: {exc}") from exc
+        except TelemetryError as exc:
+            raise StartupError(str(exc)) from exc
         self.data_dir = self.mirror.data_dir
         self.mirror.on_claim = self.mirror_claim
 
@@ -439,6 +439,7 @@ class BrokerApp:
                 signals=signals,
                 promote=self.promote,
                 started=started,
+                telemetry=telemetry,
             )
         finally:
             self.mirror = None

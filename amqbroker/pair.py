@@ -50,6 +50,7 @@ from amqbroker.app import BrokerApp
 from amqbroker.ha import roles
 from amqbroker.ha.lease import ZkLease, load_served_epoch, save_served_epoch
 from amqbroker.ha.mirror import clear_state, read_state
+from amqbroker.ha.status import LeaseStatus
 from amqbroker.settings import Settings, parse_listener
 
 log = logging.getLogger("amqbroker.ha.pair")
@@ -57,6 +58,26 @@ log = logging.getLogger("amqbroker.ha.pair")
 Ev, Act, St = roles.Event, roles.Action, roles.State
 #: reports of an app that may have been stopped since they were queued
 _LATE = frozenset({Ev.SYNCED, Ev.UNSYNCED, Ev.STOPPED})
+
+#: what each role state means, for the log line at every role change
+ROLE_TEXT: dict[roles.State, str] = {
+    St.WAITING: "WAITING (no broker runs; eligible to take over only with a complete store)",
+    St.MIRRORING: "MIRRORING (standby: copying the live member's store, not yet eligible)",
+    St.SYNCED: "SYNCED (standby: its copy is complete, eligible to take over)",
+    St.LIVE: "LIVE (serving clients and the pair's backup)",
+    St.STOPPING: "STOPPING (the broker is being stopped: it answers nothing more)",
+}
+#: why: the event that caused the change
+REASON_TEXT: dict[roles.Event, str] = {
+    Ev.LIVE: "the lease in ZooKeeper made this member live",
+    Ev.STANDBY: "another member is live",
+    Ev.NO_LIVE: "no member is live right now",
+    Ev.LIVE_MOVED: "the live member changed",
+    Ev.LOST: "the ZooKeeper session was lost (suspended or expired)",
+    Ev.SYNCED: "the mirror's copy is complete",
+    Ev.UNSYNCED: "the mirror's copy is no longer complete (link lost, resync or disk error)",
+    Ev.STOPPED: "the broker stopped",
+}
 
 
 def advertised(s: Settings) -> str:
@@ -191,18 +212,32 @@ class PairMember:
                 self.epoch = arg
             old, self.state = self.state, t.next
             if t.next is not old:
-                log.info(
-                    "HA pair %s: member %s %s -> %s (%s)",
-                    self.node_id,
-                    self.member_id,
-                    old.value,
-                    t.next.value,
-                    ev.value,
-                )
+                self._log_role_change(old, t.next, ev, arg)
             for action in t.actions:
                 await self._perform(action)
         await self._stop_app()
         self.lease.withdraw()
+
+    def _log_role_change(
+        self, old: roles.State, new: roles.State, ev: roles.Event, arg: int | None
+    ) -> None:
+        """One line per role change: the new role, what it means, and why."""
+        why = REASON_TEXT[ev]
+        if ev in (Ev.STANDBY, Ev.LIVE_MOVED) and self.live_address:
+            why += f" at {self.live_address}"
+        if arg is not None and ev in (Ev.LIVE, Ev.STANDBY, Ev.LIVE_MOVED, Ev.NO_LIVE):
+            why += f", epoch {arg}"
+        elif arg is not None and ev is Ev.SYNCED:
+            why += f" for epoch {arg}"
+        log.log(
+            logging.WARNING if St.LIVE in (old, new) or new is St.STOPPING else logging.INFO,
+            "HA pair %s: member %s is now %s, was %s: %s",
+            self.node_id,
+            self.member_id,
+            ROLE_TEXT[new],
+            old.value,
+            why,
+        )
 
     async def _perform(self, action: roles.Action) -> None:
         if action is Act.CANDIDATE:
@@ -257,6 +292,7 @@ class PairMember:
         s = self.settings.model_copy(update={"ha_role": "backup", "ha_primary": self.live_address})
         app = BrokerApp(s)
         app.mirror_claim = self._on_claim
+        app.ha_lease = self.lease_status
         log.info(
             "HA pair %s: member %s mirrors the live member at %s",
             self.node_id,
@@ -274,6 +310,7 @@ class PairMember:
         app.ha_epoch = lambda: self.epoch
         app.ha_alone = self.alone
         app.failover_servers = self.failover_servers
+        app.ha_lease = self.lease_status
         self._alone_epoch, self._alone_backed = 0, -1
         log.warning(
             "HA pair %s: member %s is LIVE at epoch %d (%s)",
@@ -319,6 +356,22 @@ class PairMember:
         self._push(Ev.LOST, None)
         return False
 
+    def lease_status(self) -> LeaseStatus:
+        """This member's view of the lease (the live app's management and metrics
+        report it: `amqbroker.ha.status`)."""
+        v = self.lease.view
+        live = self.state is St.LIVE
+        return LeaseStatus(
+            node=self.node_id,
+            member=self.member_id,
+            state=self.state.value,
+            epoch=self.epoch if live else v.epoch,
+            live_member=self.member_id if live else v.live_member,
+            live_address=self.address if live else v.live_address,
+            members=v.members,
+            addresses=v.addresses,
+        )
+
     def failover_servers(self) -> list[tuple[str, int]]:
         """The pair's eligible members (host, port), for the open's failover list."""
         out: list[tuple[str, int]] = []
@@ -345,4 +398,11 @@ class PairMember:
                 if self._shutdown.is_set():
                     log.warning("second signal: stopping now")
                     raise KeyboardInterrupt
+                log.info(
+                    "HA pair %s: member %s stopping (received %s; it was %s), leaving the lease",
+                    self.node_id,
+                    self.member_id,
+                    signal.Signals(signum).name,
+                    self.state.value,
+                )
                 self.request_shutdown()

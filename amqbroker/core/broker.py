@@ -146,6 +146,10 @@ class Broker:
         self.dropped_dead_letters = 0
         #: clustered routing hook (None: single node)
         self.router: Router | None = None
+        #: set (the reason) while durable sends from clients are rejected with
+        #: amqp:resource-limit-exceeded: an HA primary with no backup in sync under
+        #: ha_unreplicated = "refuse" (amqbroker.ha.primary); None: accepted
+        self.durable_refused: str | None = None
         self.duplicates_dropped = 0
         #: dead-lettering, expiry routing, moveMessages/retryMessages, the expiry scan
         self.dead_letters = DeadLetters(self)

@@ -21,6 +21,7 @@ from amqbroker import __version__
 from amqbroker.ha.mirror import Mirror, read_state
 from amqbroker.net.driver import Hub
 from amqbroker.settings import Settings, parse_listener
+from amqbroker.telemetry import Source, Telemetry
 
 log = logging.getLogger("amqbroker")
 
@@ -58,6 +59,25 @@ def build_mirror(s: Settings, hub: Hub) -> Mirror:
     return mirror
 
 
+def say_promoted(mirror: Mirror) -> None:
+    log.warning(
+        "HA backup: promoted; stopping the mirror (%s) and starting the broker on %s",
+        "in sync" if mirror.in_sync else "NOT in sync",
+        mirror.data_dir,
+    )
+
+
+def standby_telemetry(s: Settings, source: Source) -> Telemetry | None:
+    """The telemetry of a standby (its Prometheus endpoint bound), when it is on: it
+    exports the HA metrics of the mirror (no broker runs yet); TelemetryError when it
+    cannot start."""
+    if not Telemetry.wanted(s):
+        return None
+    telemetry = Telemetry(s, source)
+    telemetry.bind()
+    return telemetry
+
+
 async def run_mirror(
     mirror: Mirror,
     *,
@@ -66,11 +86,33 @@ async def run_mirror(
     signals: bool,
     promote: Callable[[], None],
     started: Callable[[], None],
+    telemetry: Telemetry | None = None,
 ) -> bool:
     """Run `mirror` until `promoted` is set (True) or `shutdown` is (False); with
-    `signals`, SIGUSR1 calls `promote` and SIGINT/SIGTERM set the shutdown."""
+    `signals`, SIGUSR1 calls `promote` and SIGINT/SIGTERM set the shutdown. With
+    `telemetry` (bound: `standby_telemetry`), its endpoint runs meanwhile and is
+    closed before this returns (the promoted broker binds it again)."""
+    try:
+        return await _run(mirror, promoted, shutdown, signals, promote, started, telemetry)
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()
+
+
+async def _run(
+    mirror: Mirror,
+    promoted: trio.Event,
+    shutdown: trio.Event,
+    signals: bool,
+    promote: Callable[[], None],
+    started: Callable[[], None],
+    telemetry: Telemetry | None,
+) -> bool:
     async with trio.open_nursery() as n:
         await n.start(mirror.run)
+        if telemetry is not None:
+            await n.start(telemetry.run)
+            log.info("telemetry: %s", telemetry.describe())
         if signals:
             await n.start(_signal_loop, promote, shutdown.set)
         started()

@@ -24,6 +24,12 @@ cluster user may). The primary then, in order:
    dropped out can never take over with its older copy; then confirm the lease
    every cycle) says so; False fences the store (`StoreWriter.fenced`).
 
+Status: `Primary.status` (the report of `amqbroker.ha.status`) counts the lag as what
+the backup does not have yet: batches queued while it catches up plus frames sent and
+not yet acknowledged. With ``ha_unreplicated = "refuse"`` (`serve_replication`) the
+broker rejects durable client sends while no backup is in sync; the store cycles
+themselves are never held for it (step 4 still answers what is already in a cycle).
+
 Every attach starts a new stream (a random 16-byte id): a backup never merges a
 stream into a store of an older one. The primary logs a WARNING each time it starts
 running unreplicated and each time a backup is in sync again (not once per cycle).
@@ -43,6 +49,7 @@ from typing import Any
 
 import trio
 
+from amqbroker.core.broker import Broker
 from amqbroker.ha import stream as st
 from amqbroker.protocol.connection import AmqpConnection
 from amqbroker.protocol.ha_links import REPLICATION_ADDRESS, ReplicationLink, replication_factory
@@ -95,7 +102,12 @@ class BackupStream:
     credit: trio.Event = field(default_factory=trio.Event)
     frames_sent: int = 0
     bytes_sent: int = 0
+    #: sent, not yet acknowledged by the backup (its outcome not yet received)
+    unacked_bytes: int = 0
+    unacked_records: int = 0
     snapshot_bytes: int = 0
+    #: the snapshot's size (its files' sizes when it was taken)
+    snapshot_total: int = 0
     error: str = ""
 
 
@@ -115,6 +127,7 @@ class Primary:
         ack_timeout: float = 10.0,
         epoch: Callable[[], int] = lambda: 0,
         alone: Callable[[], Awaitable[bool]] | None = None,
+        on_replicated: Callable[[bool], None] | None = None,
     ) -> None:
         self.store = store
         self.data_dir = data_dir
@@ -129,6 +142,9 @@ class Primary:
         #: complete, False fences this primary (its lease is gone: the cycle is never
         #: answered). None (no lease): always True
         self.alone = alone
+        #: told each time a backup gets in sync (True) and each time this primary
+        #: starts running unreplicated (False): `ha_unreplicated = "refuse"` hooks it
+        self.on_replicated = on_replicated
         self.backup: BackupStream | None = None
         #: True once a backup is in sync, False after it was lost (None: never said)
         self._replicated: bool | None = None
@@ -149,13 +165,24 @@ class Primary:
         return b is not None and b.state == IN_SYNC
 
     def status(self) -> dict[str, object]:
+        """The stream to the backup. Lag: what the backup does not have yet, as this
+        primary knows it: batches queued while it catches up plus frames sent and
+        not yet acknowledged (records: journal records; bytes: frame bytes)."""
         b = self.backup
         return {
             "backup": b.link.peer if b is not None else None,
             "state": b.state if b is not None else "none",
             "stream": b.stream.hex() if b is not None else None,
+            "in_sync": self.in_sync,
+            "unreplicated": not self.in_sync,
             "queued_bytes": b.queued_bytes if b is not None else 0,
             "queued_records": b.queued_records if b is not None else 0,
+            "unacked_bytes": b.unacked_bytes if b is not None else 0,
+            "unacked_records": b.unacked_records if b is not None else 0,
+            "lag_bytes": b.queued_bytes + b.unacked_bytes if b is not None else 0,
+            "lag_records": b.queued_records + b.unacked_records if b is not None else 0,
+            "snapshot_bytes": b.snapshot_bytes if b is not None else 0,
+            "snapshot_total": b.snapshot_total if b is not None else 0,
             "full_syncs": self.full_syncs,
             "dropped": self.dropped,
         }
@@ -164,6 +191,8 @@ class Primary:
         if self._replicated is not False:
             self._replicated = False
             log.warning("HA primary: running unreplicated (%s)", why)
+            if self.on_replicated is not None:
+                self.on_replicated(False)
 
     # ------------------------------------------------------------ lifecycle
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -224,7 +253,9 @@ class Primary:
         self._flush()
 
     # ------------------------------------------------------------ sending
-    async def _send(self, b: BackupStream, frame: bytes, on_outcome: Callable[[str], None]) -> bool:
+    async def _send(
+        self, b: BackupStream, frame: bytes, on_outcome: Callable[[str], None], records: int = 0
+    ) -> bool:
         """Send one frame once there is credit (and fewer than `window` unsettled);
         False when the backup was dropped or gave no credit within ack_timeout."""
         with trio.move_on_after(self.ack_timeout):
@@ -236,9 +267,18 @@ class Primary:
         if b.link.credit <= 0 or b.link.in_flight >= self.window:
             self._drop(b, f"no credit within ha_ack_timeout ({self.ack_timeout} s)")
             return False
-        b.link.send(frame, on_outcome)
+        n = len(frame)
+        b.unacked_bytes += n
+        b.unacked_records += records
+
+        def settled(outcome: str) -> None:
+            b.unacked_bytes -= n
+            b.unacked_records -= records
+            on_outcome(outcome)
+
+        b.link.send(frame, settled)
         b.frames_sent += 1
-        b.bytes_sent += len(frame)
+        b.bytes_sent += n
         self._flush()
         return True
 
@@ -267,11 +307,12 @@ class Primary:
             self._say_unreplicated("no backup attached")
             return False
         frame = st.encode_batch(self.epoch(), b.stream, cycle, batch, pages)
+        records = batch.records if batch is not None else 0
         if b.state != IN_SYNC:
             if b.state == CATCHUP:
-                b.queued.append((frame, batch.records if batch is not None else 0))
+                b.queued.append((frame, records))
                 b.queued_bytes += len(frame)
-                b.queued_records += batch.records if batch is not None else 0
+                b.queued_records += records
                 b.credit.set()  # the full sync's drain loop waits on it too
                 if b.queued_bytes > self.max_queued_bytes:
                     self._drop(
@@ -290,7 +331,7 @@ class Primary:
             if not ok and b.state != DROPPED:
                 self._drop(b, f"the backup answered {outcome} to cycle {cycle}")
 
-        if not await self._send(b, frame, done):
+        if not await self._send(b, frame, done, records):
             return False
         if not self.sync:
             return True
@@ -329,6 +370,7 @@ class Primary:
                 self._drop(b, f"cannot open the store files: {exc}")
                 return
             b.state = CATCHUP
+            b.snapshot_total = sum(size for _, _, size in files)
         try:
             epoch = self.epoch()
             for rel, fd, size in files:
@@ -364,12 +406,14 @@ class Primary:
             frame, records = b.queued.popleft()
             b.queued_bytes -= len(frame)
             b.queued_records -= records
-            if not await self._send(b, frame, self._outcome(b)):
+            if not await self._send(b, frame, self._outcome(b), records):
                 return
         if b.state != CATCHUP:
             return
         b.state = IN_SYNC
         self._replicated = True
+        if self.on_replicated is not None:
+            self.on_replicated(True)
         self.synced.set()
         self.synced = trio.Event()
         log.warning(
@@ -380,8 +424,21 @@ class Primary:
         )
 
 
+async def answer_alone() -> bool:
+    """The default `alone` of a primary without a lease: it may always answer alone."""
+    return True
+
+
+#: why a durable send is rejected while no backup is in sync (ha_unreplicated = refuse)
+REFUSED = (
+    'no backup is in sync with this primary and ha_unreplicated is "refuse": durable '
+    "messages are not accepted until a backup is in sync again; retry later"
+)
+
+
 def serve_replication(
     s: Settings,
+    broker: Broker,
     store: StoreWriter,
     data_dir: Path,
     *,
@@ -392,7 +449,23 @@ def serve_replication(
 ) -> Primary:
     """A primary's replication: the `Primary` as `store`'s replicator, and the
     `$ha.replication` source (in the management node's `sources`) for the cluster user
-    only."""
+    only. With ``ha_unreplicated = "refuse"`` the broker rejects durable sends
+    (`Broker.durable_refused`) from the start until a backup is in sync, and again each
+    time this primary runs unreplicated; store cycles themselves are never held."""
+    on_replicated = None
+    if s.ha_unreplicated == "refuse":
+        # Primary.run reports "unreplicated" at once, before any client is accepted
+
+        def on_replicated(ok: bool) -> None:
+            if ok and broker.durable_refused is not None:
+                log.warning("HA primary: a backup is in sync: durable sends are accepted again")
+            elif not ok and broker.durable_refused is None:
+                log.warning(
+                    "HA primary: durable sends are refused (amqp:resource-limit-exceeded) "
+                    'until a backup is in sync (ha_unreplicated = "refuse")'
+                )
+            broker.durable_refused = None if ok else REFUSED
+
     primary = Primary(
         store,
         data_dir,
@@ -404,6 +477,7 @@ def serve_replication(
         ack_timeout=s.ha_ack_timeout,
         epoch=epoch,
         alone=alone,
+        on_replicated=on_replicated,
     )
     store.replicator = primary
     user = s.cluster_user

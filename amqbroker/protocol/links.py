@@ -436,6 +436,10 @@ class ProducerLink:
             return
         a = self.address
         broker = self.broker
+        if durable and broker.durable_refused is not None and not self.bypass_router:
+            # an HA primary with no backup in sync, ha_unreplicated = "refuse"
+            self._refuse(d, presettled, "amqp:resource-limit-exceeded", broker.durable_refused)
+            return
         try:
             if a is None:
                 if not to:

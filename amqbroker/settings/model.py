@@ -174,6 +174,7 @@ class Settings(BaseSettings):
     ha_chunk_bytes: ConfigInt = Field(default=MIB, ge=4 * KIB, le=64 * MIB)
     ha_max_queued_bytes: ConfigInt = Field(default=256 * MIB, ge=MIB)
     ha_ack_timeout: ConfigFloat = Field(default=10.0, gt=0, le=3600)
+    ha_unreplicated: Literal["continue", "refuse"] = "continue"
 
     # slow consumers (amqbroker.core.slow_consumers)
     slow_consumer_threshold: Annotated[ConfigFloat, AfterValidator(off_or_positive)] = -1.0

@@ -222,9 +222,74 @@ CLUSTER_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
         "amqbroker_cluster_waiting_duration_seconds",
     ),
 )
-INSTRUMENTS = INSTRUMENTS + CLUSTER_INSTRUMENTS
+#: primary/backup pairs (issue 23): exported only by a process with ha_role set,
+#: labelled `node` (the node id) and `member` (this member's id); values from
+#: `amqbroker.ha.status.report`
+HA_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
+    (
+        "amqbroker.ha.role",
+        _GAUGE,
+        "1",
+        "1 for this process's HA role (label role: primary = live, backup = standby)",
+        "amqbroker_ha_role",
+    ),
+    (
+        "amqbroker.ha.epoch",
+        _GAUGE,
+        "1",
+        "the pair's lease epoch as this member sees it (0 without ZooKeeper)",
+        "amqbroker_ha_epoch",
+    ),
+    (
+        "amqbroker.ha.in_sync",
+        _GAUGE,
+        "1",
+        "1 while the backup's copy is in sync (on the primary: a backup acknowledges "
+        "every store cycle; on the backup: its copy is complete)",
+        "amqbroker_ha_in_sync",
+    ),
+    (
+        "amqbroker.ha.unreplicated",
+        _GAUGE,
+        "1",
+        "1 while the live primary answers with no backup in sync",
+        "amqbroker_ha_unreplicated",
+    ),
+    (
+        "amqbroker.ha.lag.records",
+        _GAUGE,
+        "{record}",
+        "journal records the backup does not have yet (primary: queued or not yet "
+        "acknowledged; backup: received, not yet applied)",
+        "amqbroker_ha_lag_records",
+    ),
+    (
+        "amqbroker.ha.lag",
+        _GAUGE,
+        "By",
+        "replication bytes the backup does not have yet (as amqbroker.ha.lag.records)",
+        "amqbroker_ha_lag_bytes",
+    ),
+    (
+        "amqbroker.ha.full_syncs",
+        _COUNTER,
+        "{sync}",
+        "full syncs started (primary: to a backup; backup: streams restarted from scratch)",
+        "amqbroker_ha_full_syncs_total",
+    ),
+    (
+        "amqbroker.ha.drops",
+        _COUNTER,
+        "{backup}",
+        "backups the primary dropped (ack timeout, refused frame, queue over ha_max_queued_bytes)",
+        "amqbroker_ha_drops_total",
+    ),
+)
+INSTRUMENTS = INSTRUMENTS + CLUSTER_INSTRUMENTS + HA_INSTRUMENTS
 #: the Prometheus names only a cluster node with a lost peer exports
 CLUSTER_EXPORTED: frozenset[str] = frozenset(row[4] for row in CLUSTER_INSTRUMENTS)
+#: the Prometheus names only a process with ha_role set exports
+HA_EXPORTED: frozenset[str] = frozenset(row[4] for row in HA_INSTRUMENTS)
 
 #: every metric family the Prometheus endpoint exports (histograms: the base name,
 #: exported as _bucket, _sum and _count)
@@ -255,12 +320,14 @@ class Metrics:
         clock: Callable[[], float],
         top_groups: int,
         cluster_waiting: Callable[[], list[dict[str, Any]]] = list,
+        ha: Callable[[], dict[str, Any] | None] = lambda: None,
     ) -> None:
         self._broker = broker
         self._journal = journal
         self._connections = connections
         self._clock = clock
         self._cluster_waiting = cluster_waiting
+        self._ha = ha
         self.top_groups = top_groups
         self._snap: dict[str, Points] = {}
         for name, kind, unit, description, _ in INSTRUMENTS:
@@ -313,6 +380,9 @@ class Metrics:
             put("amqbroker.cluster.waiting.groups", w["groups"], attrs)
             put("amqbroker.cluster.waiting.messages", w["bridgeDepth"], attrs)
             put("amqbroker.cluster.waiting.duration", w["sinceMillis"] / 1000.0, attrs)
+        ha = self._ha()
+        if ha is not None and ha.get("role"):
+            _ha(put, ha)
         self._snap = snap
 
     def _queue(self, put: Callable[..., None], q: Queue, now: float) -> None:
@@ -336,6 +406,19 @@ class Metrics:
             gattrs = {"queue": q.name, "group": group}
             put("amqbroker.group.backlog.messages", backlog, gattrs)
             put("amqbroker.group.oldest_message.age", _age(q, seq, now), gattrs)
+
+
+def _ha(put: Callable[..., None], ha: dict[str, Any]) -> None:
+    """The HA points of one `amqbroker.ha.status.report`."""
+    attrs = {"node": str(ha.get("node") or ""), "member": str(ha.get("member") or "")}
+    put("amqbroker.ha.role", 1, {**attrs, "role": str(ha["role"])})
+    put("amqbroker.ha.epoch", int(ha.get("epoch") or 0), attrs)
+    put("amqbroker.ha.in_sync", 1 if ha.get("inSync") else 0, attrs)
+    put("amqbroker.ha.unreplicated", 1 if ha.get("unreplicated") else 0, attrs)
+    put("amqbroker.ha.lag.records", int(ha.get("lagRecords") or 0), attrs)
+    put("amqbroker.ha.lag", int(ha.get("lagBytes") or 0), attrs)
+    put("amqbroker.ha.full_syncs", int(ha.get("fullSyncs") or 0), attrs)
+    put("amqbroker.ha.drops", int(ha.get("drops") or 0), attrs)
 
 
 def _age(q: Queue, seq: int | None, now: float) -> float:

@@ -69,6 +69,11 @@ async def serve(
     async def handler(stream: trio.SocketStream) -> None:
         await _handle(stream, render)
 
-    async with trio.open_nursery() as n:
-        await n.start(trio.serve_listeners, handler, [listener])
-        task_status.started()
+    try:
+        async with trio.open_nursery() as n:
+            await n.start(trio.serve_listeners, handler, [listener])
+            task_status.started()
+    finally:
+        # closed now, not when collected: the same process may bind the port again
+        # (a pair member that goes from live to backup and back)
+        listener.socket.close()

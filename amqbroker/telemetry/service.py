@@ -57,6 +57,10 @@ class Source(Protocol):
         """Lost cluster nodes whose groups wait for them (`ClusterNode.waiting`)."""
         ...
 
+    def ha_report(self) -> dict[str, Any]:
+        """The HA report (`amqbroker.ha.status.report`; role "" without HA)."""
+        ...
+
 
 def _otlp(kind: str) -> Any:
     try:
@@ -119,6 +123,7 @@ class Telemetry:
                 clock=source.clock,
                 top_groups=s.metrics_top_groups,
                 cluster_waiting=source.cluster_waiting,
+                ha=source.ha_report,
             )
         self.tracer_provider: TracerProvider | None = None
         self.tracing: Tracing | None = None

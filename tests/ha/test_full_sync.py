@@ -195,9 +195,11 @@ async def test_segments_compacted_away_during_the_full_sync_are_still_sent(
 
     real_send = Primary._send
 
-    async def held_send(self: Primary, b: Any, frame: bytes, on_outcome: Any) -> bool:
+    async def held_send(
+        self: Primary, b: Any, frame: bytes, on_outcome: Any, records: int = 0
+    ) -> bool:
         await gate.wait()
-        return await real_send(self, b, frame, on_outcome)
+        return await real_send(self, b, frame, on_outcome, records)
 
     monkeypatch.setattr(Primary, "_open_snapshot", snapshot_then_hold)
     monkeypatch.setattr(Primary, "_send", held_send)

@@ -24,7 +24,7 @@ from proton import Message
 from amqbroker.app import BrokerApp, StartupError
 from amqbroker.protocol.scanner import _APPLICATION_PROPERTIES, _find, _sections
 from amqbroker.settings import Settings
-from amqbroker.telemetry.metrics import CLUSTER_EXPORTED, EXPORTED
+from amqbroker.telemetry.metrics import CLUSTER_EXPORTED, EXPORTED, HA_EXPORTED
 from amqbroker.telemetry.tracing import annotation_context
 from tests.client import Client, wait_until
 
@@ -234,8 +234,8 @@ async def test_names_follow_prometheus_conventions_and_dashboard_uses_them(
                 name = name[: -len(suffix)]
         exported.add(name)
     assert exported == families, exported ^ families
-    # a single node has no cluster peer to wait for
-    assert exported == EXPORTED - CLUSTER_EXPORTED, (exported ^ EXPORTED, m.text)
+    # a single node has no cluster peer to wait for, and no HA pair
+    assert exported == EXPORTED - CLUSTER_EXPORTED - HA_EXPORTED, (exported ^ EXPORTED, m.text)
     for name in exported:
         # counters, and only counters, end in _total
         assert (m.types[name] == "counter") == name.endswith("_total"), (name, m.types[name])

@@ -96,6 +96,8 @@ class Context:
     store_statistics: Callable[[], dict[str, Any]] | None = None
     #: broker clock at start (uptime)
     started: float = 0.0
+    #: the HA report (`amqbroker.ha.status.report`) of a pair member; None without HA
+    ha_status: Callable[[], dict[str, Any]] | None = None
 
     def authorize(self, req: Request, permission: str, address: str) -> None:
         """403 (401 for an anonymous user) unless the requester holds `permission`."""

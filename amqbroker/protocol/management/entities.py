@@ -116,7 +116,14 @@ def _broker_read(ctx: Context, _: Any) -> dict[str, Any]:
         out["storeSize"] = js.get("bytes")
         out["storeSyncLatency"] = js.get("last_sync_ms")
         out["storeMaxSyncLatency"] = js.get("max_sync_ms")
+    out["ha"] = ctx.ha_status() if ctx.ha_status is not None else None
     return out
+
+
+def _ha_status(ctx: Context) -> dict[str, Any]:
+    """`haStatus`: the pair's state as this broker sees it (`amqbroker.ha.status`);
+    {"role": ""} on a broker without HA."""
+    return ctx.ha_status() if ctx.ha_status is not None else {"role": ""}
 
 
 BROKER_NAME = "amqbroker"
@@ -139,12 +146,16 @@ BROKER = EntityType(
         "storeSize",
         "storeSyncLatency",
         "storeMaxSyncLatency",
+        "ha",
     ),
     all=lambda ctx: (ctx.broker,),
     find=lambda ctx, name: ctx.broker if name in ("", BROKER_NAME, "self") else None,
     identity=lambda _: BROKER_NAME,
     read=_broker_read,
-    operations={"listQueues": ((), lambda ctx, req, _: (OK, _list_queues(ctx)))},
+    operations={
+        "listQueues": ((), lambda ctx, req, _: (OK, _list_queues(ctx))),
+        "haStatus": ((), lambda ctx, req, _: (OK, _ha_status(ctx))),
+    },
 )
 
 

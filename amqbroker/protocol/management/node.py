@@ -116,6 +116,7 @@ class ManagementNode:
         *,
         connections: Callable[[], Iterable[Any]] | None = None,
         store_statistics: Callable[[], dict[str, Any]] | None = None,
+        ha_status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.broker = broker
         self.ctx = Context(
@@ -123,6 +124,7 @@ class ManagementNode:
             connections=connections or (lambda: ()),
             store_statistics=store_statistics,
             started=broker.clock(),
+            ha_status=ha_status,
         )
         self.requests = 0
         #: request type -> handler (registered by higher layers, e.g. the cluster)

@@ -10,7 +10,10 @@ messages, so node1's groups are forwarded to it through the bridges. Mid-stream 
 live primary of node1 is SIGKILLed; its backup takes over (same node id, next epoch),
 the peers' links find it at its own address and the forwarded messages resume to it;
 node1's consumer fails over to the backup's address, as a client with a failover
-list does.
+list does. A third producer sends through node1 itself (answered once a message is in
+node1's bridge, ``cluster_accept_after_forward = false`` there, so what the bridge to
+node3 holds at the kill is the backup's to forward) and, when the live member dies,
+fails over to the other member and sends again what was not answered.
 
 Checked from the clients' own records: every accepted message is delivered; no group
 is consumed by two consumers in overlapping intervals (node1's groups stay bound to
@@ -40,6 +43,7 @@ from amqbroker.pipeline.delivery_log_format import SEQ_LIFE_SHIFT
 from amqbroker.pipeline.invariants import check
 from tests.client import Client, ClientError
 from tests.cluster.cluster_helpers import free_port, mgmt
+from tests.cluster.test_node_loss import send_round
 from tests.cluster.zk_harness import ZooKeeperServer, zk_path, zookeeper  # noqa: F401
 from tests.integration.broker_process import BrokerProcess, BrokerProcesses
 
@@ -53,6 +57,7 @@ GROUPS = [f"g{i}" for i in range(12)]
 ROUNDS = 150
 KILL_AT = ROUNDS * 3 // 10
 PACE = 0.05
+MOVER = "pair-producer"  # node1's producer: container-id and link name, kept across
 #: the node1 members' data dirs, then the other nodes'
 DIRS = ("node1a", "node1b", "node2", "node3")
 
@@ -110,6 +115,9 @@ class Pairs:
         }
         if node == "node1":
             env["AMQBROKER_HA_ROLE"] = "primary" if member == "node1a" else "backup"
+            # node1 answers its own producer once a message is in its bridge: what it
+            # holds there for node3 at the kill is forwarded by the new live member
+            env["AMQBROKER_CLUSTER_ACCEPT_AFTER_FORWARD"] = "false"
         return env
 
     async def start(self, member: str) -> BrokerProcess:
@@ -247,7 +255,9 @@ async def test_a_pair_nodes_backup_takes_over_its_groups_and_forwarded_messages(
     )
 
     producers = ("node2", "node3")
-    accepted: dict[str, list[str]] = {n: [] for n in producers}
+    accepted: dict[str, list[str]] = {n: [] for n in (*producers, "node1")}
+    resent: list[int] = []
+    moved = trio.Event()
     refused: list[tuple[str, Any]] = []
     round_done = dict.fromkeys(producers, -1)
     first_round = trio.Event()
@@ -272,6 +282,47 @@ async def test_a_pair_nodes_backup_takes_over_its_groups_and_forwarded_messages(
     async with trio.open_nursery() as prod:
         for n in producers:
             prod.start_soon(produce, n)
+
+        async def produce_on_the_pair() -> None:
+            """node1's own producer: when the live member dies it connects to the other
+            member and sends again, in order, what was not answered `accepted`, as a
+            failover client does (those may be stored twice: at least once)."""
+            c = await pairs.connect("node1a", container=MOVER)
+            snd = await c.sender("orders", name=MOVER)
+            await first_round.wait()
+            for k in range(ROUNDS):
+                msgs = [gmsg(g, k, "node1") for g in GROUPS]
+                ds: list[Delivery] = []
+                try:
+                    await send_round(c, snd, msgs, ds)
+                except ClientError:
+                    assert not moved.is_set()
+                    moved.set()
+                    c.abort()
+                    answered = [
+                        m
+                        for m, d in zip(msgs, ds, strict=False)
+                        if d.remote_state == Delivery.ACCEPTED
+                    ]
+                    accepted["node1"] += [str(m.body) for m in answered]
+                    msgs = [m for m in msgs if m not in answered]
+                    resent.append(len(msgs))
+                    while True:  # until the backup is live and listens
+                        try:
+                            c = await pairs.connect("node1b", container=MOVER)
+                            snd = await c.sender("orders", name=MOVER)
+                            break
+                        except (ClientError, OSError):
+                            await trio.sleep(0.1)
+                    ds = await snd.send_many(msgs, timeout=WAIT)
+                for m, d in zip(msgs, ds, strict=True):
+                    if d.remote_state == Delivery.ACCEPTED:
+                        accepted["node1"].append(str(m.body))
+                    else:
+                        refused.append((str(m.body), d.remote_state))
+                await trio.sleep(PACE)
+
+        prod.start_soon(produce_on_the_pair)
         with trio.fail_after(WAIT):
             while min(round_done.values()) < KILL_AT:  # noqa: ASYNC110 (the producers' progress)
                 await trio.sleep(0.01)
@@ -308,7 +359,8 @@ async def test_a_pair_nodes_backup_takes_over_its_groups_and_forwarded_messages(
     assert takeover <= SESSION_MS / 1000 + 2.0 + 1.0, f"takeover took {takeover:.1f} s"
     assert not refused, refused[:5]
     want = {b for v in accepted.values() for b in v}
-    assert len(want) == len(producers) * ROUNDS * len(GROUPS)
+    assert moved.is_set(), "node1's producer never had to fail over"
+    assert len(want) == (len(producers) + 1) * ROUNDS * len(GROUPS)
 
     def received() -> set[str]:
         return {b for s in sessions.values() for b in s.bodies()}
@@ -366,10 +418,15 @@ async def test_a_pair_nodes_backup_takes_over_its_groups_and_forwarded_messages(
     runs = sessions["node1"].runs
     assert len(runs) >= 2, "node1's consumer never failed over"
     after_takeover = {b.split(":")[2] for b, _, _ in runs[-1] if b.split(":")[0] in owned}
-    assert after_takeover == set(producers), after_takeover
+    assert set(producers) <= after_takeover, after_takeover
+    # node1's bridge to node3 resumed from the backup: node3 got node1's messages of
+    # its groups sent before the kill and after the failover
+    on3 = [b for run in sessions["node3"].runs for b, _, _ in run if b.endswith(":node1")]
+    assert on3, "node3 got nothing from node1"
     print(
         f"takeover {takeover:.2f} s; {len(owned)} group(s) on node1; {len(want)} "
-        f"delivered; repeats {repeats}; node1 connections {len(sessions['node1'].runs)}"
+        f"delivered; repeats {repeats}; node1 connections {len(sessions['node1'].runs)}; "
+        f"sent again by node1's producer: {sum(resent)}"
     )
     for c in pairs.clients:
         c.abort()
@@ -381,6 +438,7 @@ async def test_a_pair_nodes_backup_takes_over_its_groups_and_forwarded_messages(
     print("audit", f)
     for k in ("order_violations", "producer_order", "two_owners", "moves", "late"):
         assert f[k] == 0, (k, f)
+    assert f["received_twice"] <= sum(resent), f
     # "lost" by the audit: only a message whose last records are the killed primary's
     # dispatch (its settlement, journaled and mirrored, was still in the delivery log's
     # buffer that the SIGKILL took), and which the consumer did get

@@ -77,6 +77,7 @@ from amqbroker.net.driver import Hub
 from amqbroker.net.listener import ListenError, accept_loop, bind, bound_address
 from amqbroker.net.server import ConnectionServer
 from amqbroker.net.tls import TlsConfigError, server_context
+from amqbroker.pipeline.delivery_log_format import seq_floor
 from amqbroker.protocol.codec import ScannerCodec
 from amqbroker.protocol.connection import AmqpConnection, ConnectionLimits
 from amqbroker.protocol.fastpath import check_binding
@@ -492,7 +493,9 @@ class BrokerApp:
         )
         if self.dlog is not None:
             try:
-                self.dlog.open(self.node_id)
+                # a pair member live at epoch E numbers its records from E << 40 on:
+                # the node id's log goes on after the other member's
+                self.dlog.open(self.node_id, seq_floor(self.ha_epoch()))
             except OSError as exc:
                 for sk in sockets:
                     sk.close()

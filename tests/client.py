@@ -260,9 +260,13 @@ class Client:
     ) -> Client:
         sock = trio.socket.socket()
         sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-        if source is not None:  # connect from this local address (e.g. 127.0.0.2)
-            await sock.bind((source, 0))
-        await sock.connect((host, port))
+        try:
+            if source is not None:  # connect from this local address (e.g. 127.0.0.2)
+                await sock.bind((source, 0))
+            await sock.connect((host, port))
+        except BaseException:
+            sock.close()  # refused (e.g. a standby pair member): no socket left behind
+            raise
         conn = Connection()
         if container:
             conn.container = container

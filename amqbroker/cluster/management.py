@@ -295,7 +295,9 @@ class ClusterManagement(NodePart):
             "peers": [
                 {
                     "node": p.node_id,
-                    "address": f"{p.host}:{p.port}",
+                    # the address in use (a pair: its live member's, once linked)
+                    "address": p.address,
+                    "addresses": [f"{h}:{n}" for h, n in p.addresses],
                     "link": "up" if p.ready else "down",
                     # down for longer than cluster_node_timeout
                     "lost": p.lost,

@@ -145,6 +145,8 @@ class ClusterNode:
         self.replicator: Replicator | None = None
         self.replica_store: ReplicaStore | None = None
         self._nursery: trio.Nursery | None = None
+        #: set once the election named an arbiter epoch (`run` waits for it, bounded)
+        self._epoch_known = trio.Event()
         self.window = DuplicateWindow(s.cluster_duplicate_window)
         node = NodeContext(s, broker, self.node_id, self.boot, self.role, self.arbiter, self)
         self.topology = Topology(node, None)
@@ -226,11 +228,30 @@ class ClusterNode:
             if self.election is not None and self.replica_store is not None:
                 n.start_soon(self.replica_store.run)
                 await n.start(self.election.run)
+                await self._wait_for_epoch()
             if self.group_timeout > 0 and s.grouping_reaper_period > 0:
                 n.start_soon(self._reaper_loop)
             if held:
                 n.start_soon(self.node_loss.verify_recovered, held)
             task_status.started()
+
+    async def _wait_for_epoch(self) -> None:
+        """Before the listener opens (bounded by the session timeout): the arbiter
+        epoch, which the delivery log stamps on every record (the audit orders the
+        nodes' records by it first). A node that accepted forwarded messages before
+        its election's first view would log their dispatches at epoch 0, before every
+        earlier record of the same groups: a restarted node, or a pair's backup
+        taking over, whose consumers then seemed to overlap the old owner's."""
+        limit = self.settings.cluster_zookeeper_session_timeout / 1000.0
+        with trio.move_on_after(limit):
+            await self._epoch_known.wait()
+            return
+        log.warning(
+            "cluster node %s: no arbiter epoch from ZooKeeper within %.1f s; accepting "
+            "connections anyway (the delivery log records epoch 0 until one is known)",
+            self.node_id,
+            limit,
+        )
 
     def close(self) -> None:
         self.arbiter.close()
@@ -256,6 +277,8 @@ class ClusterNode:
 
     def _role_changed(self) -> None:
         self.topology.announced = None  # announce the new role at the next tick
+        if self.role.epoch > 0:
+            self._epoch_known.set()
         dlog = self.broker.dlog
         if dlog is not None:
             # delivery-log records carry the arbiter epoch their group decisions

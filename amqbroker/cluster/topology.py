@@ -4,7 +4,12 @@ Topology (D11): a full mesh with max-hops 1. For every configured peer this node
 one outbound AMQP connection (`net.outbound.OutboundDriver` + `protocol.peer`) with
 three links: a sender to the peer's `$cluster.inbound` (forwarded messages), a sender
 to its `$management` (announcements, grouping proposals / un-proposals, queries) and
-a dynamic receiver for the answers (the requests' reply-to). Every node announces,
+a dynamic receiver for the answers (the requests' reply-to). A peer run as a
+primary/backup pair (issue 23) is configured with its members' addresses
+(``node1=host:port|host:port``): the driver tries them in turn and sticks to the one
+that opens (only the live member listens). Everything else knows a peer by its node id
+only (bridge queue, bindings, bridge ids, announcements), so a takeover is seen here as
+the node's link dropping and coming back. Every node announces,
 every `cluster_topology_period` when it changed and whenever a link comes up, which of
 its queues have consumers and its grouping role.
 
@@ -136,8 +141,9 @@ class BridgeConsumer(Consumer):
 @dataclass
 class Peer:
     node_id: str
-    host: str
-    port: int
+    #: where the node is reached: one address, or its pair's members in turn (only the
+    #: live member listens); the node is known by its id, never by an address
+    addresses: tuple[tuple[str, int], ...]
     bridge: Address
     driver: OutboundDriver | None = None
     engine: PeerEngine | None = None
@@ -157,6 +163,12 @@ class Peer:
     #: when this peer accepts it (`cluster_accept_after_forward`), or when the link
     #: drops (then as stored here)
     awaiting: dict[bytes, Callable[[Any], None]] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        """host:port of the link's current (or last) connection attempt."""
+        host, port = (self.driver.host, self.driver.port) if self.driver else self.addresses[0]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Releaser(Protocol):
@@ -215,9 +227,9 @@ class Topology(NodePart):
         self.releaser: Releaser | None = None
         self.peers: dict[str, Peer] = {}
         for text in node.settings.cluster_peers:
-            pid, host, port = parse_peer(text)
+            pid, addresses = parse_peer(text)
             bridge = node.broker.create_address(BRIDGE_PREFIX + pid, ANYCAST, durable=True)
-            self.peers[pid] = Peer(pid, host, port, bridge)
+            self.peers[pid] = Peer(pid, addresses, bridge)
         self._req = itertools.count(1)
         self._waiters: dict[Any, Callable[[PeerMessage], None]] = {}
         self.announced: dict[str, int] | None = None
@@ -229,11 +241,13 @@ class Topology(NodePart):
     # -------------------------------------------------------------- links
     def start(self, p: Peer, hub: Hub) -> OutboundDriver:
         s = self.settings
+        (host, port), *more = p.addresses
         p.driver = OutboundDriver(
             hub,
             name=p.node_id,
-            host=p.host,
-            port=p.port,
+            host=host,
+            port=port,
+            more=more,
             factory=self._engine_factory(p),
             on_up=self._up_cb(p),
             on_down=self._down_cb(p),
@@ -295,7 +309,7 @@ class Topology(NodePart):
             for b in self.arbiter.bindings.values():
                 if b.node == p.node_id:
                     b.last_used = now
-        log.info("cluster link to %s (%s:%d) is up", p.node_id, p.host, p.port)
+        log.info("cluster link to %s (%s) is up", p.node_id, p.address)
         c = BridgeConsumer(p.node_id, p.inbound, self.tasks.flush, p.awaiting)
         p.consumer = c
         p.inbound.on_credit = c.refresh_credit
@@ -324,11 +338,13 @@ class Topology(NodePart):
             c.unsettled.clear()
         if was:
             log.warning(
-                "cluster link to %s (%s:%d) is down: %s; reconnecting",
+                "cluster link to %s (%s) is down: %s; reconnecting%s",
                 p.node_id,
-                p.host,
-                p.port,
+                p.address,
                 err or "connection lost",
+                f" (to {'|'.join(f'{h}:{n}' for h, n in p.addresses)} in turn)"
+                if len(p.addresses) > 1
+                else "",
             )
 
     @staticmethod

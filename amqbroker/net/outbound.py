@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -42,9 +42,13 @@ class OutboundDriver:
         backoff_max: float = 5.0,
         connect_timeout: float = 5.0,
         on_fail: Callable[[str], None] | None = None,
+        more: Sequence[tuple[str, int]] = (),
     ) -> None:
         self.hub = hub
         self.name = name
+        #: every address to try, in order; `host`/`port` is the one in use
+        self.addresses: tuple[tuple[str, int], ...] = ((host, port), *more)
+        self._index = 0
         self.host = host
         self.port = port
         self.factory = factory
@@ -69,8 +73,13 @@ class OutboundDriver:
         """Reconnect now instead of waiting for the rest of the backoff."""
         self._kick.set()
 
+    def _next_address(self) -> None:
+        self._index = (self._index + 1) % len(self.addresses)
+        self.host, self.port = self.addresses[self._index]
+
     async def run(self) -> None:
         backoff = self.backoff_initial
+        failed_in_row = 0
         while True:
             self.attempts += 1
             opened = False
@@ -78,10 +87,19 @@ class OutboundDriver:
                 opened = await self._one()
             except (OSError, trio.TooSlowError) as exc:
                 self.last_error = str(exc) or "connect timed out"
+                if len(self.addresses) > 1:
+                    self.last_error = f"{self.host}:{self.port}: {self.last_error}"
             if not opened and self.on_fail is not None:
                 self.on_fail(self.last_error)
             if opened:
                 backoff = self.backoff_initial
+                failed_in_row = 0
+            else:
+                failed_in_row += 1
+            if len(self.addresses) > 1:
+                self._next_address()
+                if not opened and failed_in_row % len(self.addresses):
+                    continue  # the next alternative at once; the backoff after a round
             self._kick = trio.Event()
             with trio.move_on_after(backoff):
                 await self._kick.wait()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from amqbroker.pipeline.audit_files import AuditError
+from amqbroker.pipeline.delivery_log_format import SEQ_LIFE_SHIFT
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -50,8 +51,13 @@ def node_totals(events: DataFrame) -> NodeTotals:
     by_event: dict[str, int] = {}
     by_outcome: dict[str, int] = {}
     releases: dict[str, int] = {}
+    #: (node, life) -> [events, min seq, max seq]: gaps are counted within a life
+    #: (a pair member's log, `SEQ_LIFE_SHIFT`)
+    lives: dict[tuple[str, int], list[int]] = {}
     for r in (
-        events.groupBy("node", "event", "outcome")
+        events.groupBy(
+            "node", F.shiftright("seq", SEQ_LIFE_SHIFT).alias("life"), "event", "outcome"
+        )
         .agg(
             F.count(F.lit(1)).alias("events"),
             F.min("seq").alias("min_seq"),
@@ -68,6 +74,10 @@ def node_totals(events: DataFrame) -> NodeTotals:
         elif r["event"] == "unbound":
             o = r["outcome"] or "unknown"  # logs written before reasons were recorded
             releases[o] = releases.get(o, 0) + r["events"]
+        life = lives.setdefault((r["node"], r["life"]), [0, r["min_seq"], r["max_seq"]])
+        life[0] += r["events"]
+        life[1] = min(life[1], r["min_seq"])
+        life[2] = max(life[2], r["max_seq"])
         v = nodes.setdefault(r["node"], {"events": 0})
         v["events"] += r["events"]
         for k, pick in (
@@ -79,11 +89,10 @@ def node_totals(events: DataFrame) -> NodeTotals:
             v[k] = pick(v[k], r[k]) if k in v else r[k]
     if not nodes:
         raise AuditError("the delivery-log files hold no records")
-    seq_gaps = {
-        n: v["max_seq"] - v["min_seq"] + 1 - v["events"]
-        for n, v in sorted(nodes.items())
-        if v["max_seq"] - v["min_seq"] + 1 != v["events"]
-    }
+    seq_gaps: dict[str, int] = {}
+    for (n, _), (count, lo, hi) in sorted(lives.items()):
+        if hi - lo + 1 != count:
+            seq_gaps[n] = seq_gaps.get(n, 0) + hi - lo + 1 - count
 
     return NodeTotals(nodes, by_event, by_outcome, releases, seq_gaps)
 

@@ -26,7 +26,11 @@ field              type       meaning
 node               str        the broker's `node_id`
 seq                int64      per node, strictly increasing across files and restarts;
                               a gap means records were dropped (overflow ``drop``) or a
-                              file was lost in a crash
+                              file was lost in a crash. A member of a primary/backup
+                              pair that becomes live at HA epoch E starts at least at
+                              ``E << SEQ_LIFE_SHIFT`` (the members keep separate logs
+                              of one node id): gaps are counted per ``seq >>
+                              SEQ_LIFE_SHIFT`` (a *life*)
 ts_us              int64      event time, epoch microseconds (broker clock)
 event              str        one of `EVENTS`
 queue              str|null   the queue; for ``received``, the target address
@@ -152,6 +156,17 @@ SPARK_DDL: Final = (
     "group_seq INT, producer STRING, consumer STRING, outcome STRING, "
     "owner_epoch BIGINT NOT NULL, delivery_count INT, producer_identity STRING"
 )
+
+
+#: a pair member live at HA epoch E numbers its records from E << SEQ_LIFE_SHIFT on, so
+#: that the node id's records stay ordered by seq across a takeover (the new live
+#: member does not have the old one's log); seq gaps are counted within a life
+SEQ_LIFE_SHIFT = 40
+
+
+def seq_floor(ha_epoch: int) -> int:
+    """The first seq a pair member live at `ha_epoch` may use (0 without HA)."""
+    return ha_epoch << SEQ_LIFE_SHIFT if ha_epoch > 0 else 0
 
 
 def file_name(first_seq: int, fmt: str) -> str:

@@ -160,6 +160,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from amqbroker.pipeline.delivery_log_format import SEQ_LIFE_SHIFT
+
 #: outcomes of a ``settled`` event that end a message's life in its queue
 TERMINAL_OUTCOMES = frozenset({"accepted", "rejected"})
 #: events that end a message's life in its queue (with `TERMINAL_OUTCOMES` settles)
@@ -261,16 +263,16 @@ def check(records: Iterable[Mapping[str, Any]], grace_us: int = 0) -> Findings:
     recs = sorted(records, key=lambda r: (r["node"], r["seq"]))
     f = Findings()
 
-    # seq gaps per node
-    by_node: dict[str, list[int]] = defaultdict(list)
+    # seq gaps per node, counted within each life (a pair member's, SEQ_LIFE_SHIFT)
+    by_life: dict[tuple[str, int], list[int]] = defaultdict(list)
     last_ts: dict[str, int] = {}
     for r in recs:
-        by_node[r["node"]].append(r["seq"])
+        by_life[(r["node"], r["seq"] >> SEQ_LIFE_SHIFT)].append(r["seq"])
         last_ts[r["node"]] = max(last_ts.get(r["node"], r["ts_us"]), r["ts_us"])
-    for node, seqs in by_node.items():
+    for (node, _), seqs in by_life.items():
         gap = max(seqs) - min(seqs) + 1 - len(seqs)
         if gap:
-            f.seq_gaps[node] = gap
+            f.seq_gaps[node] = f.seq_gaps.get(node, 0) + gap
 
     slots: dict[Slot, _Slot] = defaultdict(_Slot)
     # (node, mid) -> first dead-letter/expiry seq; routed there; forwarded from there

@@ -150,20 +150,34 @@ class AddressConfig(BaseModel):
     durable: bool = True
 
 
-_PEER_RE: Final = re.compile(r"^([A-Za-z0-9_-]+)=(.+):(\d{1,5})$")
+_PEER_RE: Final = re.compile(r"^([A-Za-z0-9_-]+)=(.+)$")
+_PEER_USAGE: Final = (
+    "must look like 'node2=127.0.0.1:5673' (id=host:port), or for a node run as a "
+    "primary/backup pair 'node2=127.0.0.1:5673|127.0.0.1:6673' (id=host:port|host:port: "
+    "the addresses of its members, tried in turn)"
+)
 
 
-def parse_peer(text: str) -> tuple[str, str, int]:
-    """`id=host:port` -> (id, host, port)."""
-    m = _PEER_RE.match(text)
-    if m is None or not 0 < int(m.group(3)) <= 65535:
-        raise ValueError(
-            f"cluster peer {text!r} must look like 'node2=127.0.0.1:5673' (id=host:port)"
-        )
-    host = m.group(2)
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return m.group(1), host, int(m.group(3))
+def parse_peer(text: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """`id=host:port[|host:port...]` -> (id, ((host, port), ...)).
+
+    Several addresses name the members of a primary/backup pair (issue 23): only the
+    live member listens, so the link tries them in turn until one opens."""
+    m = _PEER_RE.match(text.strip())
+    if m is None:
+        raise ValueError(f"cluster peer {text!r} {_PEER_USAGE}")
+    addresses: list[tuple[str, int]] = []
+    for item in m.group(2).split("|"):
+        try:
+            host, port = parse_listener(item.strip())
+        except ValueError:
+            raise ValueError(f"cluster peer {text!r} {_PEER_USAGE}") from None
+        if port == 0:
+            raise ValueError(f"cluster peer {text!r}: the port of {item.strip()!r} must not be 0")
+        if (host, port) in addresses:
+            raise ValueError(f"cluster peer {text!r} names {item.strip()!r} twice")
+        addresses.append((host, port))
+    return m.group(1), tuple(addresses)
 
 
 def check_cluster_peer(text: str) -> str:

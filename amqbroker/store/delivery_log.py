@@ -190,9 +190,10 @@ class DeliveryLogWriter:
         self.off = False
 
     # ------------------------------------------------------------ start-up
-    def open(self, node: str) -> None:
+    def open(self, node: str, seq_floor: int = 0) -> None:
         """Create the node's directory, repair what a crash left, and continue the
-        sequence after the newest closed file."""
+        sequence after the newest closed file, at `seq_floor` at least (a pair member
+        that becomes live: `fmt.seq_floor` of its epoch)."""
         closed = self.attach(node, warm=not self._use_child)
         d = self.directory
         assert d is not None
@@ -200,7 +201,7 @@ class DeliveryLogWriter:
         others = [p for p in d.glob(f"{fmt.PREFIX}*") if p.suffix != self._ext]
         for p in closed[-1:] + sorted(others)[-1:]:
             last = max(last, _last_seq(p))
-        self._first = last + 1
+        self._first = max(last + 1, seq_floor)
         # the boot marker: the audit tells a restarted node's producers (connection ids
         # start again at c1) from those of its previous life
         self._buf.append(

@@ -202,3 +202,22 @@ def test_a_delivery_ends_with_the_boot_of_its_node():
     assert check(log).two_owners == []
     no_restart = [r for r in log if not (r["event"] == "started" and r["seq"] == 4)]
     assert len(check(no_restart).two_owners) == 1
+
+
+def test_seq_gaps_are_counted_within_a_pair_members_life(clean):
+    """A pair member live at HA epoch E numbers its records from E << SEQ_LIFE_SHIFT
+    (issue 23): the jump between the members' logs of one node id is no gap, a record
+    missing within a life is."""
+    from amqbroker.pipeline.delivery_log_format import SEQ_LIFE_SHIFT, seq_floor
+
+    node = clean[0]["node"]
+    mine = sorted((r for r in clean if r["node"] == node), key=lambda r: r["seq"])
+    half = mine[len(mine) // 2]["seq"]
+    moved = [
+        dict(r, seq=r["seq"] - half + seq_floor(3)) if r["node"] == node and r["seq"] >= half else r
+        for r in clean
+    ]
+    assert seq_floor(0) == 0 and seq_floor(3) == 3 << SEQ_LIFE_SHIFT
+    assert check(moved).counts()["seq_gaps"] == 0
+    dropped = [r for r in moved if not (r["node"] == node and r["seq"] == seq_floor(3) + 5)]
+    assert check(dropped).counts()["seq_gaps"] == 1

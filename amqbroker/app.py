@@ -151,8 +151,7 @@ class BrokerApp:
         #: `span_exporter`, when set before run() (tests, embedders), gets every span.
         self.telemetry: Telemetry | None = None
         self.span_exporter: Any = None
-        #: this process's HA role: "", "primary" or "backup" (a promoted backup
-        #: becomes "primary")
+        #: HA role: "", "primary" or "backup" (a promoted backup becomes "primary")
         self.ha_role = settings.ha_role
         #: the backup's mirror while it runs (ha_role = "backup")
         self.mirror: Mirror | None = None
@@ -160,8 +159,7 @@ class BrokerApp:
         self.primary: Primary | None = None
         self._promote = trio.Event()
         self._started = False
-        #: the primary's epoch, stamped on every replication frame (a backup refuses
-        #: a primary older than one it followed); the ZooKeeper lease sets it
+        #: the epoch stamped on every replication frame (set by the pair's lease)
         self.ha_epoch: Callable[[], int] = lambda: 0
         #: asked before a store cycle no backup acknowledged completes (the pair's
         #: lease: False fences this primary); by default always allowed
@@ -170,8 +168,7 @@ class BrokerApp:
         self.ha_lease: Callable[[], LeaseStatus] | None = None
         #: where clients may fail over to (the open's failover-server-list)
         self.failover_servers: Callable[[], list[tuple[str, int]]] | None = None
-        #: a backup's mirror tells it each change of its copy's claim (the epoch the
-        #: copy is complete for, None: none); set by the pair before run
+        #: told each change of a backup's claim (epoch of its complete copy, or None)
         self.mirror_claim: Callable[[int | None], None] | None = None
 
     # ---------------------------------------------------------------- clock
@@ -326,7 +323,7 @@ class BrokerApp:
         if s.cluster_node_id:
             try:
                 self.cluster = ClusterNode(s, broker, self.hub, self.management, data_dir)
-            except ElectionUnavailable as exc:
+            except (ElectionUnavailable, TlsConfigError) as exc:
                 self._close_store()
                 raise StartupError(str(exc)) from exc
         if self.ha_role == "primary":
@@ -423,7 +420,7 @@ class BrokerApp:
             telemetry = standby_telemetry(self.settings, self)
         except OSError as exc:
             raise StartupError(f"cannot create the data directory: {exc}") from exc
-        except TelemetryError as exc:
+        except (TlsConfigError, TelemetryError) as exc:
             raise StartupError(str(exc)) from exc
         self.data_dir = self.mirror.data_dir
         self.mirror.on_claim = self.mirror_claim

@@ -52,6 +52,7 @@ from amqbroker.core.consumer import Consumer
 from amqbroker.core.entry import Entry
 from amqbroker.net.driver import Hub
 from amqbroker.net.outbound import OutboundDriver
+from amqbroker.net.tls import client_context
 from amqbroker.protocol.cluster_links import INBOUND_ADDRESS
 from amqbroker.protocol.peer import (
     PeerEngine,
@@ -237,6 +238,9 @@ class Topology(NodePart):
         self.gone: dict[str, set[str]] = {}
         self._local_queues: set[str] = set()
         self._warned_group_timeout: tuple[str, int] | None = None
+        s = node.settings
+        #: TLS for the links to peers (cluster_tls); a bad CA file fails the start
+        self.ssl_context = client_context(s.cluster_tls_ca_file) if s.cluster_tls else None
 
     # -------------------------------------------------------------- links
     def start(self, p: Peer, hub: Hub) -> OutboundDriver:
@@ -253,6 +257,7 @@ class Topology(NodePart):
             on_down=self._down_cb(p),
             backoff_initial=s.cluster_reconnect_initial,
             backoff_max=s.cluster_reconnect_max,
+            ssl_context=self.ssl_context,
         )
         p.down_since = trio.current_time()
         return p.driver

@@ -20,6 +20,7 @@ import trio
 from amqbroker import __version__
 from amqbroker.ha.mirror import Mirror, read_state
 from amqbroker.net.driver import Hub
+from amqbroker.net.tls import client_context
 from amqbroker.settings import Settings, parse_listener
 from amqbroker.telemetry import Source, Telemetry
 
@@ -45,6 +46,7 @@ def build_mirror(s: Settings, hub: Hub) -> Mirror:
         backoff_max=s.cluster_reconnect_max,
         hub=hub,
         node_id=s.node_id or s.cluster_node_id or "backup",
+        ssl_context=client_context(s.cluster_tls_ca_file) if s.cluster_tls else None,
     )
     state = read_state(data_dir)
     log.info(

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import shutil
+import ssl
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -275,6 +276,7 @@ class Mirror:
         backoff_max: float = 5.0,
         hub: Hub | None = None,
         node_id: str = "backup",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.host = host
@@ -287,6 +289,7 @@ class Mirror:
         self.backoff_max = backoff_max
         self.hub = hub if hub is not None else Hub()
         self.node_id = node_id
+        self.ssl_context = ssl_context
         data_dir.mkdir(parents=True, exist_ok=True)
         self.store = MirrorStore(data_dir, sync=sync)
         #: told the store's claim (`MirrorStore.claimed`) each time it changes (the
@@ -375,6 +378,7 @@ class Mirror:
             on_fail=self._on_fail,
             backoff_initial=self.backoff_initial,
             backoff_max=self.backoff_max,
+            ssl_context=self.ssl_context,
         )
         log.info(
             "HA backup: mirroring the primary at %s:%d into %s", self.host, self.port, self.data_dir

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 from collections.abc import Callable, Sequence
 
 import trio
@@ -43,6 +44,7 @@ class OutboundDriver:
         connect_timeout: float = 5.0,
         on_fail: Callable[[str], None] | None = None,
         more: Sequence[tuple[str, int]] = (),
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.hub = hub
         self.name = name
@@ -58,6 +60,8 @@ class OutboundDriver:
         self.backoff_max = backoff_max
         self.connect_timeout = connect_timeout
         self.on_fail = on_fail
+        #: TLS for every attempt (the peer's certificate verified, for the host dialled)
+        self.ssl_context = ssl_context
         self.engine: PeerEngine | None = None
         self.connected = False
         self.attempts = 0
@@ -85,8 +89,8 @@ class OutboundDriver:
             opened = False
             try:
                 opened = await self._one()
-            except (OSError, trio.TooSlowError) as exc:
-                self.last_error = str(exc) or "connect timed out"
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                self.last_error = _reason(exc)
                 if len(self.addresses) > 1:
                     self.last_error = f"{self.host}:{self.port}: {self.last_error}"
             if not opened and self.on_fail is not None:
@@ -106,9 +110,19 @@ class OutboundDriver:
             backoff = min(backoff * 2, self.backoff_max)
 
     async def _one(self) -> bool:
+        stream: trio.abc.Stream
         with trio.fail_after(self.connect_timeout):
-            stream = await trio.open_tcp_stream(self.host, self.port)
-        stream.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+            tcp = await trio.open_tcp_stream(self.host, self.port)
+            tcp.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+            stream = tcp
+            if self.ssl_context is not None:
+                tls = trio.SSLStream(tcp, self.ssl_context, server_hostname=self.host)
+                try:
+                    await tls.do_handshake()
+                except BaseException:
+                    await tcp.aclose()
+                    raise
+                stream = tls
         engine = self.factory(self._wake_writer)
         self.engine = engine
         self.connected = True
@@ -127,7 +141,7 @@ class OutboundDriver:
                     if not data:
                         self.last_error = engine.error or "connection closed by the peer"
                         break
-                    engine.feed(data)
+                    engine.feed(bytes(data))  # bytes already from a socket (no copy)
                     if not up and engine.opened:
                         up = True
                         self.last_error = ""
@@ -146,7 +160,7 @@ class OutboundDriver:
             self.hub.flush()
         return up
 
-    async def _writer(self, stream: trio.SocketStream, engine: PeerEngine) -> None:
+    async def _writer(self, stream: trio.abc.Stream, engine: PeerEngine) -> None:
         while True:
             out = engine.output()
             if out:
@@ -163,3 +177,13 @@ class OutboundDriver:
             self._write_lot.unpark_all()
             with trio.move_on_at(nxt if nxt else math.inf):
                 await self._tick_lot.park()
+
+
+def _reason(exc: BaseException) -> str:
+    """Why an attempt failed, for the log (a TLS handshake's error is its cause)."""
+    if isinstance(exc, trio.TooSlowError):
+        return "connect timed out"
+    cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
+    if isinstance(cause, ssl.SSLError):
+        return f"TLS handshake failed: {cause.reason or cause}"
+    return str(exc) or str(cause or "") or type(exc).__name__

@@ -296,3 +296,16 @@ async def handshake(
         reason = f"not finished within handshake_timeout ({handshake_timeout:.1f} s)"
     log.info("TLS handshake with %s failed: %s; connection closed", peer, reason)
     return None
+
+
+def client_context(ca_file: str = "") -> ssl.SSLContext:
+    """The context of the broker's own outbound TLS connections (cluster peers, an HA
+    backup's link to the live member): the peer's certificate is verified against
+    `ca_file` (PEM; "" = the system's CAs) and must name the host connected to;
+    `TlsConfigError` names what is wrong with the file."""
+    if ca_file:
+        _check_certificates("cluster_tls_ca_file", ca_file, "CA certificates, PEM")
+    ctx = ssl.create_default_context(cafile=ca_file or None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    return ctx

@@ -149,6 +149,9 @@ class Settings(BaseSettings):
         default_factory=list
     )
     cluster_user: str = ""
+    #: the broker's own outbound links (cluster peers, an HA backup's stream) use TLS
+    cluster_tls: bool = False
+    cluster_tls_ca_file: str = ""
     cluster_password: str = ""
     cluster_reconnect_initial: ConfigFloat = Field(default=0.2, gt=0)
     cluster_reconnect_max: ConfigFloat = Field(default=5.0, gt=0)

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from amqbroker.store.atomic import replace_file
+
 log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct(">II")
@@ -105,20 +107,7 @@ class DecisionLog:
                     len(data) - pos,
                     pos,
                 )
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for d in live.values():
-                f.write(_frame(d))
-            f.flush()
-            if self.sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        if self.sync:
-            fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        replace_file(self.path, b"".join(_frame(d) for d in live.values()), sync=self.sync)
         self._f = open(self.path, "ab")  # noqa: SIM115 - kept open for appends
         return live
 

@@ -81,7 +81,6 @@ import contextlib
 import enum
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +96,7 @@ from amqbroker.cluster.zk import (
     read_epoch,
 )
 from amqbroker.core.errors import LocalError
+from amqbroker.store.atomic import replace_file
 
 __all__ = [
     "LeaseEvents",
@@ -157,17 +157,7 @@ def save_served_epoch(data_dir: Path, epoch: int) -> None:
         raise ValueError(f"an HA epoch is never negative ({epoch})")
     path = data_dir / EPOCH_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(json.dumps({"epoch": epoch}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_file(path, (json.dumps({"epoch": epoch}) + "\n").encode())
 
 
 # ------------------------------------------------------------------------- the events

@@ -53,6 +53,7 @@ from amqbroker.protocol.ha_links import (
     data_section_body,
 )
 from amqbroker.protocol.peer import PeerEngine, PeerRawReceiver
+from amqbroker.store.atomic import fsync_dir, replace_file
 from amqbroker.store.journal_segments import SegmentFiles, segment_path
 from amqbroker.store.paging import PageStore
 
@@ -67,14 +68,6 @@ STORE_DIRS = ("journal", "paging", "cluster")
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read_state(data_dir: Path) -> dict[str, Any] | None:
     """The marker of the stream this data dir is in sync with (None: not in sync)."""
     try:
@@ -85,19 +78,13 @@ def read_state(data_dir: Path) -> dict[str, Any] | None:
 
 
 def write_state(data_dir: Path, state: dict[str, Any]) -> None:
-    tmp = data_dir / (STATE_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, data_dir / STATE_FILE)
-    _fsync_dir(data_dir)
+    replace_file(data_dir / STATE_FILE, json.dumps(state).encode())
 
 
 def clear_state(data_dir: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(data_dir / STATE_FILE)
-        _fsync_dir(data_dir)
+        fsync_dir(data_dir)
 
 
 class MirrorStore:
@@ -209,7 +196,7 @@ class MirrorStore:
             (staging / name).mkdir(exist_ok=True)
         if self.sync:
             for dirpath, _, _ in os.walk(staging):
-                _fsync_dir(Path(dirpath))
+                fsync_dir(Path(dirpath))
         clear_state(self.data_dir)
         old = self.data_dir / OLD
         shutil.rmtree(old, ignore_errors=True)
@@ -219,7 +206,7 @@ class MirrorStore:
             if live.exists():
                 os.replace(live, old / name)
             os.replace(staging / name, live)
-        _fsync_dir(self.data_dir)
+        fsync_dir(self.data_dir)
         shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
         write_state(self.data_dir, {"epoch": h.epoch, "stream": h.stream.hex(), "in_sync": True})

@@ -103,6 +103,7 @@ from pathlib import Path
 from typing import Final
 
 from amqbroker.core.entry import Entry
+from amqbroker.store.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +482,7 @@ class PageStore:
                 os.close(fd)
         if self._sync:
             for d in dirs:
-                _fsync_dir(d)
+                fsync_dir(d)
         for qid, segno in b.deletes:
             d = self.directory / str(qid)
             if segno == 0:
@@ -635,11 +636,3 @@ def _check_header(buf: bytes, segno: int) -> str | None:
     if magic != PAGE_MAGIC or version != PAGE_VERSION or no != segno:
         return f"bad segment header ({bytes(magic)!r}, version {version}, number {no})"
     return None
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

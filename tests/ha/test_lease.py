@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -487,15 +486,18 @@ async def test_znodes_deleted_under_a_live_member_end_its_lease_and_it_never_boo
 
         c = KazooClient(hosts=zookeeper.hosts, timeout=5.0)
         c.start(timeout=10)
+        epoch_path = f"{a.lease.path}/epoch"
         try:
             with contextlib.suppress(NotEmptyError):  # a recreates what is deleted
                 c.delete(a.lease.path, recursive=True)
             for _ in range(100):
+                changed = threading.Event()  # set by ZooKeeper's watch on the epoch znode
                 with contextlib.suppress(NoNodeError, NotEmptyError):
-                    if json.loads(c.get(f"{a.lease.path}/epoch")[0])["epoch"] == 0:
-                        return  # wiped and recreated by a
-                    c.delete(a.lease.path, recursive=True)
-                time.sleep(0.05)
+                    if c.exists(epoch_path, watch=lambda _e, ev=changed: ev.set()) is not None:
+                        if json.loads(c.get(epoch_path)[0])["epoch"] == 0:
+                            return  # wiped and recreated by a
+                        c.delete(a.lease.path, recursive=True)
+                changed.wait(WAIT)  # deleted, or recreated by a
         finally:
             c.stop()
             c.close()

@@ -600,21 +600,17 @@ class BrokerApp:
                 self.request_shutdown()
 
     async def _graceful_close(self, conns: trio.Nursery) -> None:
-        """Settle what producers wait for, close connections, wait for the peers."""
+        """Settle what producers wait for, close connections, wait for the peers. A
+        backup's replication link goes last, after the store cycle of what the other
+        closes released, so the backup's copy stays complete (a hand-over's need)."""
         deadline = trio.current_time() + self.settings.shutdown_timeout
         self._bound_writes()
         await self._final_flush()
-        for conn in list(self.hub.drivers):
-            conn.close("amqp:connection:forced", "the broker is shutting down")
-        self.hub.flush()
-        with trio.move_on_at(deadline) as scope:
-            while self.hub.drivers:
-                await self.hub.drivers_changed.park()
-        if scope.cancelled_caught:
-            log.warning(
-                "%d connection(s) did not close within shutdown_timeout; dropping them",
-                len(self.hub.drivers),
-            )
+        keep = self.primary.connections() if self.primary is not None else frozenset()
+        await self.hub.close_all(deadline, keep)
+        if keep:
+            await self._final_flush()
+            await self.hub.close_all(deadline)
         conns.cancel_scope.cancel()
 
     # ---------------------------------------------------------------- store

@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -57,7 +58,7 @@ log = logging.getLogger("amqbroker.ha.pair")
 
 Ev, Act, St = roles.Event, roles.Action, roles.State
 #: reports of an app that may have been stopped since they were queued
-_LATE = frozenset({Ev.SYNCED, Ev.UNSYNCED, Ev.STOPPED})
+_LATE = frozenset({Ev.SYNCED, Ev.UNSYNCED, Ev.STOPPED, Ev.HAND_OVER})
 
 #: what each role state means, for the log line at every role change
 ROLE_TEXT: dict[roles.State, str] = {
@@ -66,6 +67,10 @@ ROLE_TEXT: dict[roles.State, str] = {
     St.SYNCED: "SYNCED (standby: its copy is complete, eligible to take over)",
     St.LIVE: "LIVE (serving clients and the pair's backup)",
     St.STOPPING: "STOPPING (the broker is being stopped: it answers nothing more)",
+    St.HANDING_OVER: (
+        "HANDING_OVER (fail back: clients disconnected, the last store cycle goes to the "
+        "primary, then the primary takes over)"
+    ),
 }
 #: why: the event that caused the change
 REASON_TEXT: dict[roles.Event, str] = {
@@ -77,6 +82,7 @@ REASON_TEXT: dict[roles.Event, str] = {
     Ev.SYNCED: "the mirror's copy is complete",
     Ev.UNSYNCED: "the mirror's copy is no longer complete (link lost, resync or disk error)",
     Ev.STOPPED: "the broker stopped",
+    Ev.HAND_OVER: "the primary member's copy is in sync again and ha_failback is on",
 }
 
 
@@ -127,6 +133,7 @@ class PairMember:
             self,
             session_timeout_ms=s.cluster_zookeeper_session_timeout,
             reconnect_max_delay_ms=s.cluster_zookeeper_reconnect_max_delay,
+            role=s.ha_role,
         )
 
     # ------------------------------------------------------------ the claim
@@ -252,6 +259,13 @@ class PairMember:
             await self._stop_app()
         elif action is Act.SERVE:
             await self._serve()
+        elif action is Act.HAND_OVER:
+            if self.app is not None:
+                self.app.request_shutdown()  # clients first, the replication link last
+        elif action is Act.REQUEUE:
+            served = self.claim()
+            if served is not None:
+                self.lease.requeue(served)
         elif action is Act.STOP_SERVING:
             log.warning(
                 "HA pair %s: member %s lost its lease at epoch %d; stopping the broker "
@@ -268,10 +282,16 @@ class PairMember:
         assert self._nursery is not None
         self.app = app
         done = self._app_done = trio.Event()
+        failback = then is Ev.STOPPED and self.settings.ha_failback
+        failback = failback and self.settings.ha_role == "backup"
 
         async def runner() -> None:
             try:
-                await app.run()
+                async with trio.open_nursery() as n:
+                    if failback:
+                        n.start_soon(self._watch_failback, app)
+                    await app.run()
+                    n.cancel_scope.cancel()
             finally:
                 self._stopped_code = app.exit_code
                 done.set()
@@ -320,6 +340,31 @@ class PairMember:
             self.address,
         )
         await self._start_app(app, Ev.STOPPED)
+
+    # ------------------------------------------------------------ fail back
+    async def _watch_failback(self, app: BrokerApp) -> None:
+        """While `app` is live on a member configured as the backup (``ha_failback``):
+        once a member configured as the primary is in sync with it, at the lease's
+        current epoch and on the replication stream, ask for the hand-over."""
+        while True:
+            changed = self.lease.next_view.wait
+            synced = app.primary.synced.wait if app.primary is not None else None
+            ready = self.lease.view.in_sync_with("primary")
+            if ready and self.state is St.LIVE and app.primary is not None and app.primary.in_sync:
+                log.warning(
+                    "HA pair %s: member %s hands the node id back to the primary %s "
+                    "(ha_failback): its clients are disconnected, its last store cycle goes "
+                    "to the primary, which then takes over with the next epoch",
+                    self.node_id,
+                    self.member_id,
+                    ready[0],
+                )
+                self._push(Ev.HAND_OVER, None)
+                return
+            async with trio.open_nursery() as n:
+                for wait in (changed, synced):
+                    if wait is not None:
+                        n.start_soon(_then_cancel, wait, n.cancel_scope)
 
     # ------------------------------------------------------------ fencing
     async def alone(self) -> bool:
@@ -406,3 +451,10 @@ class PairMember:
                     self.state.value,
                 )
                 self.request_shutdown()
+
+
+async def _then_cancel(wait: Callable[[], Awaitable[object]], scope: trio.CancelScope) -> None:
+    """Wait for `wait`, then cancel `scope` (the first of several waits to return
+    ends them all)."""
+    await wait()
+    scope.cancel()

@@ -271,16 +271,20 @@ class ZkWorker(Generic[V]):
         client_id = client.client_id
         return None if client_id is None else int(client_id[0])
 
-    def _children(self, path: str) -> tuple[list[str], list[bytes]] | None:
+    def _children(
+        self, path: str, *, watch_data: bool = False
+    ) -> tuple[list[str], list[bytes]] | None:
         """Worker thread: the children of `path` in sequence order (watched) and their
-        data; None if one vanished meanwhile (a wake-up to evaluate again is queued)."""
+        data (watched too with `watch_data`: a child's new data wakes an evaluation);
+        None if one vanished meanwhile (a wake-up to evaluate again is queued)."""
         from kazoo.exceptions import NoNodeError
 
         names = sorted(self._client.get_children(path, watch=self._watch), key=seq)
         data: list[bytes] = []
+        data_watch = self._watch if watch_data else None
         for name in names:
             try:
-                data.append(self._client.get(f"{path}/{name}")[0])
+                data.append(self._client.get(f"{path}/{name}", watch=data_watch)[0])
             except NoNodeError:
                 self._wake.put("vanished")
                 return None

@@ -12,8 +12,10 @@ worker thread, fence and epoch compare-and-set this module shares through
 ``<path>/ha/<node_id>/``:
 
 * ``members/m_<seq>``: an *ephemeral sequential* znode per **eligible** member (JSON
-  ``{"member": id, "address": "host:port", "synced": epoch}``, rewritten when the
-  member's copy changes epoch). A member is eligible once it calls
+  ``{"member": id, "address": "host:port", "synced": epoch, "role": ha_role}``,
+  rewritten when the member's copy changes epoch; `ZkLease.requeue` deletes and
+  creates it again, at the end of the order, which is how a live member handing the
+  node id back to the primary lets that primary take over first). A member is eligible once it calls
   `ZkLease.candidate` with ``synced_epoch``, the epoch its store is a complete copy of
   (a backup: the epoch of the live it finished syncing from; a primary restarting on
   its own store: the epoch it last served under, kept by `save_served_epoch`). It
@@ -181,6 +183,19 @@ class LeaseView:
     members: tuple[str, ...] = field(default=())  # eligible member ids, in order
     #: the eligible members' client addresses (host:port), in the same order
     addresses: tuple[str, ...] = field(default=())
+    #: the epoch each eligible member's copy is complete for (None: not said), in order
+    synced: tuple[int | None, ...] = field(default=())
+    #: each eligible member's configured role ("primary", "backup" or ""), in order
+    roles: tuple[str, ...] = field(default=())
+
+    def in_sync_with(self, role: str) -> tuple[str, ...]:
+        """The eligible members configured as `role` whose copy is complete for the
+        current epoch."""
+        return tuple(
+            m
+            for m, r, e in zip(self.members, self.roles, self.synced, strict=False)
+            if r == role and e == self.epoch
+        )
 
 
 class LeaseEvents(Protocol):
@@ -196,6 +211,10 @@ class LeaseEvents(Protocol):
     def on_live(self, epoch: int) -> None: ...
     def on_standby(self, live_member: str | None, live_address: str | None, epoch: int) -> None: ...
     def on_lost(self) -> None: ...
+
+
+#: the eligible members' ids, addresses, synced epochs and roles, in order
+_Listing = tuple[tuple[str, ...], tuple[str, ...], tuple[int | None, ...], tuple[str, ...]]
 
 
 def _key(view: LeaseView) -> tuple[object, ...]:
@@ -228,6 +247,7 @@ class ZkLease(ZkWorker[LeaseView]):
         reconnect_max_delay_ms: int = 2000,
         connect_timeout: float | None = 30.0,
         fence: Fence | None = None,
+        role: str = "",
     ) -> None:
         if not hosts:
             raise ValueError("ZkLease needs ZooKeeper servers")
@@ -253,12 +273,15 @@ class ZkLease(ZkWorker[LeaseView]):
         self.node_id = node_id
         self.member_id = member_id
         self.address = address
+        #: this member's configured role, in its member znode (fail back looks for it)
+        self.role = role
         self._events = events
         self._members_path = f"{self.path}/members"
         self._epoch_path = f"{self.path}/epoch"
         self._lock = threading.Lock()
         self._synced: int | None = None  # None: not a candidate
         self._bump_from: int | None = None  # bump asked for while live at this epoch
+        self._requeue = False  # a new member znode (at the end of the order) is asked for
         self._view_changed = trio.Event()  # set (and replaced) at every new view
         # worker-thread state
         self._my_session: int | None = None
@@ -284,6 +307,23 @@ class ZkLease(ZkWorker[LeaseView]):
         with self._lock:
             self._synced = synced_epoch
         self._wake.put("candidate")
+
+    def requeue(self, synced_epoch: int) -> None:
+        """Stay eligible with `synced_epoch` but go to the end of the order: the member
+        znode is deleted and created again (a live member handing over does this once
+        stopped, so that a member in sync ahead of it takes over first)."""
+        if synced_epoch < 0:
+            raise ValueError(f"an HA epoch is never negative ({synced_epoch})")
+        with self._lock:
+            self._synced = synced_epoch
+            self._requeue = True
+        self._wake.put("requeue")
+
+    @property
+    def next_view(self) -> trio.Event:
+        """Set at the next view this member evaluates (any change: members too); take
+        it before looking at `view`, then wait on it."""
+        return self._view_changed
 
     def withdraw(self) -> None:
         """Stop being eligible: the member znode is deleted (a live member must stop
@@ -377,11 +417,17 @@ class ZkLease(ZkWorker[LeaseView]):
         client = self._client
         with self._lock:
             synced = self._synced
-        if self._my_node is not None and (synced is None or self._my_session != session):
+            requeue, self._requeue = self._requeue, False
+        if self._my_node is not None and (synced is None or requeue or self._my_session != session):
             if self._my_session == session:  # withdrawn (else it went with the old session)
                 with contextlib.suppress(NoNodeError):
                     client.delete(self._my_node)
-                log.info("HA lease of %s: member %s withdraws", self.node_id, self.member_id)
+                log.info(
+                    "HA lease of %s: member %s %s",
+                    self.node_id,
+                    self.member_id,
+                    "withdraws" if synced is None else "goes to the end of the order",
+                )
             self._my_node = None
         if self._prepared_session != session:
             client.ensure_path(self._members_path)
@@ -391,12 +437,12 @@ class ZkLease(ZkWorker[LeaseView]):
             self._prepared_session = session
         if synced is not None and self._my_node is not None and self._my_synced != synced:
             # the copy's epoch changed (a resync, a takeover): the others must see it
-            mine = {"member": self.member_id, "address": self.address, "synced": synced}
+            mine = self._member_doc(synced)
             with contextlib.suppress(NoNodeError):  # gone: found again below
                 client.set(self._my_node, json.dumps(mine).encode())
                 self._my_synced = synced
         if synced is not None and self._my_node is None:
-            znode_doc = {"member": self.member_id, "address": self.address, "synced": synced}
+            znode_doc = self._member_doc(synced)
             try:
                 self._my_node = client.create(
                     f"{self._members_path}/{MEMBER_PREFIX}",
@@ -419,7 +465,7 @@ class ZkLease(ZkWorker[LeaseView]):
         my_name = None if self._my_node is None else self._my_node.rsplit("/", 1)[1]
 
         try:
-            listed = self._children(self._members_path)
+            listed = self._children(self._members_path, watch_data=True)
             if listed is None:
                 return
             current = read_epoch(client, self._epoch_path, self._watch, _EPOCH_HINT)
@@ -435,39 +481,43 @@ class ZkLease(ZkWorker[LeaseView]):
             return
         members = [_member_id(d) for d in data]
         addresses = [_member_address(d) for d in data]
+        own = [c == my_name for c in children]
+        synceds = [synced if o else _member_synced(d) for o, d in zip(own, data, strict=True)]
+        roles = [self.role if o else _member_role(d) for o, d in zip(own, data, strict=True)]
+        listing = (tuple(members), tuple(addresses), tuple(synceds), tuple(roles))
 
         # the first member whose copy is of the current epoch may take over: a stale
         # member ahead of it (an older copy restarted first) must not block it. A
         # member znode without "synced" (an older version) counts as in sync
-        in_sync = [
-            c
-            for c, d in zip(children, data, strict=True)
-            if (synced if c == my_name else _member_synced(d)) in (None, current.epoch)
-        ]
+        in_sync = [c for c, e in zip(children, synceds, strict=True) if e in (None, current.epoch)]
         first = in_sync[0] if in_sync else children[0] if children else None
         # a member of the current epoch's live znode, other than us, is live: nobody
         # takes over from it, whatever the order
         live_other = current.znode in children and current.znode != my_name
+        if (
+            my_name is not None
+            and synced is not None
+            and self._live_epoch
+            and self._live_gen == self._eval_gen  # no connection change since
+            and current.epoch == self._live_epoch
+            and current.znode == my_name
+        ):
+            # live, whatever the order (a member in sync may be ahead: it waits until
+            # our znode goes)
+            with self._lock:
+                bump_from, self._bump_from = self._bump_from, None
+            if bump_from == current.epoch:
+                new = self._take_over(current, my_name)
+                if new:
+                    self._publish_live(new, listing)
+                return  # 0: the epoch moved or our znode went: evaluated again
+            self._publish_live(current.epoch, listing)
+            return
         if my_name is not None and synced is not None and first == my_name and not live_other:
-            if (
-                self._live_epoch
-                and self._live_gen == self._eval_gen  # no connection change since
-                and current.epoch == self._live_epoch
-                and current.znode == my_name
-            ):
-                with self._lock:
-                    bump_from, self._bump_from = self._bump_from, None
-                if bump_from == current.epoch:
-                    new = self._take_over(current, my_name)
-                    if new:
-                        self._publish_live(new, members, addresses)
-                    return  # 0: the epoch moved or our znode went: evaluated again
-                self._publish_live(current.epoch, members, addresses)
-                return
             if current.epoch == synced:
                 new = self._take_over(current, my_name)
                 if new:
-                    self._publish_live(new, members, addresses)
+                    self._publish_live(new, listing)
                 return  # 0: lost a race or the session; evaluated again on the wake-up
             self._refuse(current.epoch, synced)
 
@@ -481,13 +531,17 @@ class ZkLease(ZkWorker[LeaseView]):
                 live if isinstance(live, str) else None,
                 address if isinstance(address, str) else None,
                 my_name is not None,
-                tuple(members),
-                tuple(addresses),
+                *listing,
             )
         )
 
-    def _publish_live(self, epoch: int, members: list[str], addresses: list[str]) -> None:
+    def _publish_live(self, epoch: int, listing: _Listing) -> None:
         self._live_epoch, self._live_gen = epoch, self._eval_gen
+        members, addresses, synceds, roles = listing
+        # our own znode names the new epoch (set at the takeover or bump)
+        synceds = tuple(
+            epoch if m == self.member_id else e for m, e in zip(members, synceds, strict=True)
+        )
         self._publish(
             LeaseView(
                 LeaseRole.LIVE,
@@ -495,10 +549,22 @@ class ZkLease(ZkWorker[LeaseView]):
                 self.member_id,
                 self.address,
                 True,
-                tuple(members),
-                tuple(addresses),
+                members,
+                addresses,
+                synceds,
+                roles,
             )
         )
+
+    def _member_doc(self, synced: int) -> dict[str, object]:
+        """This member's znode: its id, address, the epoch its copy is complete for and
+        its configured role."""
+        return {
+            "member": self.member_id,
+            "address": self.address,
+            "synced": synced,
+            "role": self.role,
+        }
 
     def _take_over(self, current: EpochDoc, my_name: str) -> int:
         """Bump the epoch if it is unchanged and we are still eligible; the new epoch,
@@ -513,7 +579,7 @@ class ZkLease(ZkWorker[LeaseView]):
                 self._synced = new
         self._refused = None
         # our znode names the copy's new epoch at once: the others order by it
-        doc = {"member": self.member_id, "address": self.address, "synced": new}
+        doc = self._member_doc(new)
         try:
             assert self._my_node is not None
             self._client.set(self._my_node, json.dumps(doc).encode())
@@ -557,6 +623,14 @@ def _member_synced(data: bytes) -> int | None:
     except (ValueError, AttributeError, UnicodeDecodeError):
         return None
     return got if isinstance(got, int) else None
+
+
+def _member_role(data: bytes) -> str:
+    try:
+        got = json.loads(data.decode("utf-8")).get("role")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return ""
+    return got if isinstance(got, str) else ""
 
 
 def _member_address(data: bytes) -> str:

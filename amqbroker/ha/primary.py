@@ -187,6 +187,12 @@ class Primary:
             "dropped": self.dropped,
         }
 
+    def connections(self) -> frozenset[AmqpConnection]:
+        """The connection of the backup's replication link (none without a backup):
+        a shutdown closes it after the others and the final store cycle."""
+        b = self.backup
+        return frozenset() if b is None else frozenset({b.link.conn})
+
     def _say_unreplicated(self, why: str) -> None:
         if self._replicated is not False:
             self._replicated = False

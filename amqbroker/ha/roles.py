@@ -17,7 +17,8 @@ with; the lease lets it take over only when that is ZooKeeper's current epoch, s
 copy that missed anything can never serve. The states::
 
     WAITING --live--> LIVE --lost--> STOPPING --stopped--> WAITING (candidate again)
-       |                 ^
+       |                 ^  |
+       |                 |  +--hand-over--> HANDING_OVER --stopped--> WAITING (requeued)
        | standby(addr)   | live (the lease took over at synced epoch + 1)
        v                 |
     MIRRORING --synced--> SYNCED
@@ -30,7 +31,12 @@ against the live's address and is not (yet) a complete copy: not a candidate. SY
 the mirror is in sync at the live's epoch: a candidate at that epoch. LIVE: the broker
 serves at the lease's epoch. STOPPING: the lease was lost while live; the broker is
 being stopped at once (connections closed, nothing more answered) and the process is
-a candidate again only once it has stopped.
+a candidate again only once it has stopped. HANDING_OVER (fail back, ``ha_failback``):
+the live broker closes its clients' connections, flushes its last store cycle to the
+member in sync (over the replication link, still open) and stops; it then stays a
+candidate at the end of the order, so the member in sync ahead of it takes over, and
+it mirrors that member from then on (or, if that member died meanwhile, takes over
+again itself). A loss of the lease while handing over stops it at once, as when live.
 
 Invariants
 ----------
@@ -38,6 +44,8 @@ Invariants
   a mirror running (STOP_MIRROR comes first).
 - A LOST event while live is answered by STOP_SERVING before anything else; the store
   becomes a candidate again only after STOPPED (no overlap of serving and candidacy).
+- REQUEUE comes only after a hand-over's STOPPED: the live member znode goes only
+  once the broker answers nothing more.
 - START_MIRROR always comes after WITHDRAW: a process whose store is being replaced
   is never a candidate.
 - This module does no I/O and imports neither trio nor the broker.
@@ -67,6 +75,7 @@ class State(enum.Enum):
     SYNCED = "synced"
     LIVE = "live"
     STOPPING = "stopping"
+    HANDING_OVER = "handing-over"
 
 
 class Event(enum.Enum):
@@ -86,6 +95,8 @@ class Event(enum.Enum):
     UNSYNCED = "unsynced"
     #: the broker stopped serving
     STOPPED = "stopped"
+    #: fail back is due (``ha_failback``): the configured primary's copy is in sync
+    HAND_OVER = "hand-over"
 
 
 class Action(enum.Enum):
@@ -95,6 +106,11 @@ class Action(enum.Enum):
     WITHDRAW = "withdraw"
     SERVE = "serve"
     STOP_SERVING = "stop-serving"
+    #: close the clients' connections, flush the last store cycle to the backup over
+    #: the replication link, then stop the broker
+    HAND_OVER = "hand-over"
+    #: stay a candidate, at the end of the order (the member in sync ahead takes over)
+    REQUEUE = "requeue"
 
 
 class Transition(NamedTuple):
@@ -139,6 +155,16 @@ TRANSITIONS: Final[dict[tuple[State, Event], Transition]] = {
     (S.STOPPING, E.STANDBY): Transition((), S.STOPPING),
     (S.STOPPING, E.LIVE_MOVED): Transition((), S.STOPPING),
     (S.STOPPING, E.NO_LIVE): Transition((), S.STOPPING),
+    # fail back: hand the node id to the member in sync ahead, once stopped cleanly
+    (S.LIVE, E.HAND_OVER): Transition((A.HAND_OVER,), S.HANDING_OVER),
+    (S.HANDING_OVER, E.STOPPED): Transition((A.REQUEUE,), S.WAITING),
+    (S.HANDING_OVER, E.LIVE): Transition((), S.HANDING_OVER),
+    (S.HANDING_OVER, E.HAND_OVER): Transition((), S.HANDING_OVER),
+    # the lease went meanwhile: stop at once, as when live
+    (S.HANDING_OVER, E.LOST): Transition((A.STOP_SERVING,), S.STOPPING),
+    (S.HANDING_OVER, E.STANDBY): Transition((A.STOP_SERVING,), S.STOPPING),
+    (S.HANDING_OVER, E.LIVE_MOVED): Transition((A.STOP_SERVING,), S.STOPPING),
+    (S.HANDING_OVER, E.NO_LIVE): Transition((A.STOP_SERVING,), S.STOPPING),
 }
 
 

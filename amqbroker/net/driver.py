@@ -89,6 +89,25 @@ class Hub:
     def pending(self) -> int:
         return len(self._dirty)
 
+    async def close_all(
+        self, deadline: float, keep: frozenset[AmqpConnection] = frozenset()
+    ) -> None:
+        """Shutdown: close every connection but `keep` ("amqp:connection:forced") and
+        wait, until trio's `deadline`, for their drivers to end (past it they are
+        left to the caller, which cancels them)."""
+        for conn in list(self.drivers):
+            if conn not in keep:
+                conn.close("amqp:connection:forced", "the broker is shutting down")
+        self.flush()
+        with trio.move_on_at(deadline) as scope:
+            while any(c not in keep for c in self.drivers):
+                await self.drivers_changed.park()
+        if scope.cancelled_caught:
+            log.warning(
+                "%d connection(s) did not close within shutdown_timeout; dropping them",
+                sum(c not in keep for c in self.drivers),
+            )
+
 
 def _shutdown_write(sock: socket.socket | trio.socket.SocketType) -> bool:
     """TCP's half-close (SHUT_WR) of `sock`; False if the socket refused it."""

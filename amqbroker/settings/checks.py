@@ -102,6 +102,12 @@ def check_cross_fields(settings: Settings) -> None:
             "a primary/backup pair with cluster_zookeeper needs the node id both members "
             "share: set cluster_node_id (in a cluster) or node_id",
         )
+    if settings.ha_failback and not (settings.ha_role and settings.cluster_zookeeper):
+        raise CrossFieldError(
+            {"ha_failback": settings.ha_failback, "ha_role": settings.ha_role},
+            "fail back (ha_failback) hands a pair's node id back through its lease in "
+            "ZooKeeper: set ha_role and cluster_zookeeper too, or leave ha_failback off",
+        )
     if settings.ha_role and not settings.cluster_user:
         raise CrossFieldError(
             {"ha_role": settings.ha_role, "cluster_user": settings.cluster_user},

@@ -178,6 +178,7 @@ class Settings(BaseSettings):
     ha_max_queued_bytes: ConfigInt = Field(default=256 * MIB, ge=MIB)
     ha_ack_timeout: ConfigFloat = Field(default=10.0, gt=0, le=3600)
     ha_unreplicated: Literal["continue", "refuse"] = "continue"
+    ha_failback: bool = False
 
     # slow consumers (amqbroker.core.slow_consumers)
     slow_consumer_threshold: Annotated[ConfigFloat, AfterValidator(off_or_positive)] = -1.0

@@ -46,6 +46,19 @@ def test_a_live_that_sees_another_live_stops_serving() -> None:
         assert step(S.LIVE, ev) == ((A.STOP_SERVING,), S.STOPPING)
 
 
+def test_fail_back_hands_over_then_mirrors_the_primary() -> None:
+    state, actions = run(S.LIVE, E.HAND_OVER, E.LIVE, E.HAND_OVER, E.STOPPED)
+    assert (state, actions) == (S.WAITING, [A.HAND_OVER, A.REQUEUE])
+    # the primary took over: this member becomes its backup
+    state, actions = run(state, E.NO_LIVE, E.STANDBY)
+    assert (state, actions) == (S.MIRRORING, [A.WITHDRAW, A.START_MIRROR])
+
+
+def test_a_hand_over_that_loses_the_lease_stops_at_once() -> None:
+    state, actions = run(S.LIVE, E.HAND_OVER, E.LOST, E.STOPPED)
+    assert (state, actions) == (S.WAITING, [A.HAND_OVER, A.STOP_SERVING, A.CANDIDATE])
+
+
 @pytest.mark.parametrize("key", sorted(TRANSITIONS, key=lambda k: (k[0].value, k[1].value)))
 def test_table_invariants(key: tuple[State, Event]) -> None:
     state, event = key
@@ -60,5 +73,10 @@ def test_table_invariants(key: tuple[State, Event]) -> None:
         assert A.WITHDRAW in acts or state is S.MIRRORING
     if A.CANDIDATE in acts:
         assert state is not S.LIVE and t.next is not S.LIVE
-    if state is S.LIVE and event not in (E.LIVE, E.STOPPED):
+    if state is S.LIVE and event not in (E.LIVE, E.STOPPED, E.HAND_OVER):
         assert acts[0] is A.STOP_SERVING
+    if state is S.HANDING_OVER and event in (E.LOST, E.STANDBY, E.LIVE_MOVED, E.NO_LIVE):
+        assert acts[0] is A.STOP_SERVING
+    if A.REQUEUE in acts or A.HAND_OVER in acts:
+        # the live znode goes only once the broker stopped after a hand-over
+        assert (state, event) in ((S.HANDING_OVER, E.STOPPED), (S.LIVE, E.HAND_OVER))

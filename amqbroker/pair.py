@@ -124,6 +124,7 @@ class PairMember:
         self._alone_backed = -1
         self.exit_code = 0
         self._stopped_code = 0
+        self._token: trio.lowlevel.TrioToken | None = None
         self.lease = ZkLease(
             s.cluster_zookeeper,
             s.cluster_zookeeper_path,
@@ -187,13 +188,21 @@ class PairMember:
         )
         if claim is not None:
             self.lease.candidate(claim)
-        async with trio.open_nursery() as n:
-            self._nursery = n
-            if handle_signals:
-                await n.start(self._signal_loop)
-            await n.start(self.lease.run)
-            await self._loop()
-            n.cancel_scope.cancel()
+        previous = None
+        if handle_signals:
+            self._token = trio.lowlevel.current_trio_token()
+            previous = signal.signal(signal.SIGCONT, self._on_sigcont)
+        try:
+            async with trio.open_nursery() as n:
+                self._nursery = n
+                if handle_signals:
+                    await n.start(self._signal_loop)
+                await n.start(self.lease.run)
+                await self._loop()
+                n.cancel_scope.cancel()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGCONT, previous)
         log.info("HA pair %s: member %s stopped", self.node_id, self.member_id)
 
     async def _loop(self) -> None:
@@ -340,6 +349,51 @@ class PairMember:
             self.address,
         )
         await self._start_app(app, Ev.STOPPED)
+
+    # ------------------------------------------------------------ a pause
+    def _on_sigcont(self, _signum: int, _frame: object) -> None:
+        """SIGCONT: this process was stopped, maybe past its ZooKeeper session, and its
+        lease may be gone without kazoo having said so yet. A Python signal handler
+        runs before the event loop hands any frame read after the resume to the
+        broker: from here every send is refused until ZooKeeper confirms the lease
+        (store cycles are fenced by `alone` anyway; this covers what needs none, a
+        non-durable send)."""
+        app = self.app
+        if self.state is not St.LIVE or app is None or app.broker is None:
+            return
+        app.broker.sends_refused = (
+            f"this member of {self.node_id} was paused and is checking in ZooKeeper that "
+            "it is still live; resend, or connect to the pair's other member"
+        )
+        if self._token is not None:
+            self._token.run_sync_soon(self._start_pause_check, app, self.epoch)
+
+    def _start_pause_check(self, app: BrokerApp, epoch: int) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._after_pause, app, epoch)
+
+    async def _after_pause(self, app: BrokerApp, epoch: int) -> None:
+        ok = await self.lease.confirm(epoch)
+        if self.app is not app or app.broker is None:
+            return
+        if ok and self.state is St.LIVE:
+            app.broker.sends_refused = None
+            log.warning(
+                "HA pair %s: member %s resumed after a pause; ZooKeeper confirms it is "
+                "live at epoch %d: it answers sends again",
+                self.node_id,
+                self.member_id,
+                epoch,
+            )
+            return
+        log.critical(
+            "HA pair %s: member %s resumed after a pause and is no longer live at epoch %d "
+            "in ZooKeeper; it answers nothing more",
+            self.node_id,
+            self.member_id,
+            epoch,
+        )
+        self._push(Ev.LOST, None)
 
     # ------------------------------------------------------------ fail back
     async def _watch_failback(self, app: BrokerApp) -> None:

@@ -150,6 +150,10 @@ class Broker:
         #: amqp:resource-limit-exceeded: an HA primary with no backup in sync under
         #: ha_unreplicated = "refuse" (amqbroker.ha.primary); None: accepted
         self.durable_refused: str | None = None
+        #: set (the reason) while every send is rejected with amqp:resource-limit-exceeded:
+        #: an HA live member resumed after a pause (SIGCONT) until ZooKeeper confirms
+        #: its lease (amqbroker.pair); None: accepted
+        self.sends_refused: str | None = None
         self.duplicates_dropped = 0
         #: dead-lettering, expiry routing, moveMessages/retryMessages, the expiry scan
         self.dead_letters = DeadLetters(self)

@@ -436,6 +436,10 @@ class ProducerLink:
             return
         a = self.address
         broker = self.broker
+        if broker.sends_refused is not None:
+            # an HA live member resumed after a pause: its lease is in doubt
+            self._refuse(d, presettled, "amqp:resource-limit-exceeded", broker.sends_refused)
+            return
         if durable and broker.durable_refused is not None and not self.bypass_router:
             # an HA primary with no backup in sync, ha_unreplicated = "refuse"
             self._refuse(d, presettled, "amqp:resource-limit-exceeded", broker.durable_refused)

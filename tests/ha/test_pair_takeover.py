@@ -8,6 +8,8 @@
 * SIGSTOP the live primary past its session: the backup takes over; once resumed
   (SIGCONT) the old primary answers nothing more (its pending send is never accepted,
   its connection closes), then rejoins as the backup.
+* A pause far shorter than the session (SIGSTOP, SIGCONT): sends are refused only
+  until ZooKeeper confirms the lease, then answered again.
 * The live member advertises the pair in the open's failover-server-list.
 """
 
@@ -183,20 +185,47 @@ async def test_a_paused_primary_answers_nothing_after_the_takeover_and_rejoins_a
     primary.send_signal(signal.SIGSTOP)
     try:
         await live(backup, b_port, 2)
-        # a send queued to the paused primary: it reads it only once resumed
+        # sends queued to the paused primary: it reads them only once resumed. The
+        # non-durable one needs no store cycle: the pause itself must fence it
+        loose = s.send_nowait(Message(body="late", durable=False, properties={"i": 101}))
         pending = s.send_nowait(Message(body="late", durable=True, properties={"i": 100}))
         await c._flush()
     finally:
         primary.send_signal(signal.SIGCONT)
     with contextlib.suppress(ClientError):  # the connection lost: a fenced primary may
-        await c._wait(lambda: bool(pending.remote_state) or c.closed_by_peer, WAIT)
+        await c._wait(
+            lambda: (bool(pending.remote_state) and bool(loose.remote_state)) or c.closed_by_peer,
+            WAIT,
+        )
     assert pending.remote_state != Delivery.ACCEPTED
+    assert loose.remote_state != Delivery.ACCEPTED
     await primary.wait_for_line(r"lost its lease|answers nothing more", timeout=WAIT)
     c.abort()
     # it rejoins as the backup of the new live member
     await backup_in_sync(primary, 2)
     got = await consume_all(b_port, nursery)
     assert got == list(range(100))
+    assert await backup.stop() == 0
+    assert await primary.stop() == 0
+
+
+async def test_a_short_pause_refuses_sends_only_until_zookeeper_confirms_the_lease(
+    procs: BrokerProcesses,
+    tmp_path: Path,
+    nursery: trio.Nursery,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+    zk_path: str,  # noqa: F811
+) -> None:
+    primary, backup, p_port, _ = await start_pair(procs, tmp_path, zookeeper, zk_path)
+    primary.send_signal(signal.SIGSTOP)
+    primary.send_signal(signal.SIGCONT)  # a pause far shorter than the session
+    await primary.wait_for_line(
+        r"resumed after a pause; ZooKeeper confirms it is live at epoch 1", timeout=WAIT
+    )
+    accepted: list[int] = []
+    await produce(p_port, nursery, 0, 50, accepted)
+    assert accepted == list(range(50))
+    assert not any("is LIVE" in line for line in backup.stderr_lines)
     assert await backup.stop() == 0
     assert await primary.stop() == 0
 

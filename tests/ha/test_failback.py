@@ -19,32 +19,19 @@ import pytest
 import trio
 
 from tests.client import Client, ClientError
-from tests.cluster.cluster_helpers import free_port
 from tests.cluster.zk_harness import ZooKeeperServer, zk_path, zookeeper  # noqa: F401
 from tests.ha.test_ha_processes import consume_all, produce
 from tests.ha.test_pair_takeover import (
     WAIT,
     backup_in_sync,
     live,
-    member_env,
+    member,
     procs,  # noqa: F401
+    start_pair,
 )
-from tests.integration.broker_process import BrokerProcess, BrokerProcesses
+from tests.integration.broker_process import BrokerProcesses
 
 pytestmark = pytest.mark.timeout(180)
-
-
-async def start(
-    procs: BrokerProcesses,  # noqa: F811
-    role: str,
-    data_dir: Path,
-    port: int,
-    zk: ZooKeeperServer,
-    path: str,
-    **extra: str,
-) -> BrokerProcess:
-    env = member_env(role, zk, path) | extra
-    return await procs.spawn(["run", "--port", str(port), "--data-dir", str(data_dir)], env=env)
 
 
 async def test_the_live_backup_hands_the_node_id_back_to_the_primary_under_load(
@@ -54,13 +41,9 @@ async def test_the_live_backup_hands_the_node_id_back_to_the_primary_under_load(
     zookeeper: ZooKeeperServer,  # noqa: F811
     zk_path: str,  # noqa: F811
 ) -> None:
-    p_port, b_port = free_port(), free_port()
-    primary = await start(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
-    await live(primary, p_port, 1)
-    backup = await start(
-        procs, "backup", tmp_path / "b", b_port, zookeeper, zk_path, AMQBROKER_HA_FAILBACK="true"
+    primary, backup, p_port, b_port = await start_pair(
+        procs, tmp_path, zookeeper, zk_path, AMQBROKER_HA_FAILBACK="true"
     )
-    await backup_in_sync(backup, 1)
     accepted: list[int] = []
     await produce(p_port, nursery, 0, 200, accepted)
     assert accepted == list(range(200))
@@ -99,7 +82,7 @@ async def test_the_live_backup_hands_the_node_id_back_to_the_primary_under_load(
     assert [int(m.properties["i"]) for m in held] == list(range(50))
 
     nursery.start_soon(load)
-    again = await start(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
+    again = await member(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
     await again.wait_for_line(r"is standby \(live node1@127\.0\.0\.1:\d+ .*epoch 3\)", timeout=WAIT)
     synced = await again.wait_for_line(
         r"HA backup: in sync with the primary .*\(epoch (\d+),", timeout=WAIT
@@ -141,14 +124,10 @@ async def test_without_failback_the_live_backup_stays_live(
     zookeeper: ZooKeeperServer,  # noqa: F811
     zk_path: str,  # noqa: F811
 ) -> None:
-    p_port, b_port = free_port(), free_port()
-    primary = await start(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
-    await live(primary, p_port, 1)
-    backup = await start(procs, "backup", tmp_path / "b", b_port, zookeeper, zk_path)
-    await backup_in_sync(backup, 1)
+    primary, backup, p_port, b_port = await start_pair(procs, tmp_path, zookeeper, zk_path)
     assert await primary.stop() == 0
     await live(backup, b_port, 2)
-    again = await start(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
+    again = await member(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
     await backup_in_sync(again, 2)
     accepted: list[int] = []
     await produce(b_port, nursery, 0, 100, accepted)

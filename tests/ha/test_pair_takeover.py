@@ -70,11 +70,18 @@ async def procs(nursery: trio.Nursery, tmp_path: Path) -> BrokerProcesses:
 
 
 async def member(
-    procs: BrokerProcesses, role: str, data_dir: Path, port: int, zk: ZooKeeperServer, path: str
+    procs: BrokerProcesses,
+    role: str,
+    data_dir: Path,
+    port: int,
+    zk: ZooKeeperServer,
+    path: str,
+    **extra: str,
 ) -> BrokerProcess:
+    """A pair member; `extra`: more environment (``AMQBROKER_...``)."""
     return await procs.spawn(
         ["run", "--port", str(port), "--data-dir", str(data_dir)],
-        env=member_env(role, zk, path),
+        env=member_env(role, zk, path) | extra,
     )
 
 
@@ -84,13 +91,13 @@ async def live(m: BrokerProcess, port: int, epoch: int) -> None:
 
 
 async def start_pair(
-    procs: BrokerProcesses, tmp_path: Path, zk: ZooKeeperServer, path: str
+    procs: BrokerProcesses, tmp_path: Path, zk: ZooKeeperServer, path: str, **backup_env: str
 ) -> tuple[BrokerProcess, BrokerProcess, int, int]:
     """A primary live at epoch 1 (data dir a) and its backup in sync (data dir b)."""
     p_port, b_port = free_port(), free_port()
     primary = await member(procs, "primary", tmp_path / "a", p_port, zk, path)
     await live(primary, p_port, 1)
-    backup = await member(procs, "backup", tmp_path / "b", b_port, zk, path)
+    backup = await member(procs, "backup", tmp_path / "b", b_port, zk, path, **backup_env)
     await backup_in_sync(backup, 1)
     await primary.wait_for_line(r"HA primary: backup at .* is in sync", timeout=WAIT)
     return primary, backup, p_port, b_port

@@ -125,6 +125,8 @@ class PairMember:
         self.exit_code = 0
         self._stopped_code = 0
         self._token: trio.lowlevel.TrioToken | None = None
+        #: SIGCONTs seen while live (only the latest one's lease check lifts the refusal)
+        self._pauses = 0
         self.lease = ZkLease(
             s.cluster_zookeeper,
             s.cluster_zookeeper_path,
@@ -214,7 +216,8 @@ class PairMember:
             ev, arg = self._events.popleft()
             if ev in _LATE and (self.state, ev) not in roles.TRANSITIONS:
                 continue  # of an app that was stopped since: nothing to do
-            if ev is Ev.STOPPED and self.state is St.LIVE:
+            failed = self.state is St.HANDING_OVER and self._stopped_code != 0
+            if ev is Ev.STOPPED and (self.state is St.LIVE or failed):
                 log.critical(
                     "HA pair %s: the live broker stopped on its own (exit code %d); this "
                     "member leaves the lease and stops",
@@ -223,6 +226,8 @@ class PairMember:
                 )
                 self.exit_code = self._stopped_code or 3
                 self._shutdown.set()
+                if failed:
+                    continue  # its store may still be written: never requeued
             t = roles.step(self.state, ev)
             if ev is Ev.LIVE and arg is not None:
                 self.epoch = arg
@@ -272,9 +277,11 @@ class PairMember:
             if self.app is not None:
                 self.app.request_shutdown()  # clients first, the replication link last
         elif action is Act.REQUEUE:
-            served = self.claim()
-            if served is not None:
-                self.lease.requeue(served)
+            # the store is complete for the epoch it served under, or for one the
+            # lease took over again while it was stopping (nothing was answered since)
+            served = max(self.claim() or 0, self.lease.synced_epoch or 0)
+            await trio.to_thread.run_sync(save_served_epoch, self.data_dir, served)
+            self.lease.requeue(served)
         elif action is Act.STOP_SERVING:
             log.warning(
                 "HA pair %s: member %s lost its lease at epoch %d; stopping the broker "
@@ -365,18 +372,23 @@ class PairMember:
             f"this member of {self.node_id} was paused and is checking in ZooKeeper that "
             "it is still live; resend, or connect to the pair's other member"
         )
+        self._pauses += 1
         if self._token is not None:
-            self._token.run_sync_soon(self._start_pause_check, app, self.epoch)
+            self._token.run_sync_soon(self._start_pause_check, app, self._pauses)
 
-    def _start_pause_check(self, app: BrokerApp, epoch: int) -> None:
+    def _start_pause_check(self, app: BrokerApp, pause: int) -> None:
         if self._nursery is not None:
-            self._nursery.start_soon(self._after_pause, app, epoch)
+            self._nursery.start_soon(self._after_pause, app, pause)
 
-    async def _after_pause(self, app: BrokerApp, epoch: int) -> None:
-        ok = await self.lease.confirm(epoch)
-        if self.app is not app or app.broker is None:
-            return
-        if ok and self.state is St.LIVE:
+    async def _after_pause(self, app: BrokerApp, pause: int) -> None:
+        while True:  # the epoch may move meanwhile (a cycle answered alone bumps it)
+            epoch = self.epoch
+            ok = await self.lease.confirm(epoch)
+            if ok or self.epoch == epoch:
+                break
+        if self.app is not app or app.broker is None or pause != self._pauses:
+            return  # another app, or a later pause's check decides
+        if ok and self.state in (St.LIVE, St.HANDING_OVER):
             app.broker.sends_refused = None
             log.warning(
                 "HA pair %s: member %s resumed after a pause; ZooKeeper confirms it is "

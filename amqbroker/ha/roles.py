@@ -16,7 +16,7 @@ copy at some epoch: the epoch it last served under, or the one its mirror is in 
 with; the lease lets it take over only when that is ZooKeeper's current epoch, so a
 copy that missed anything can never serve. The states::
 
-    WAITING --live--> LIVE --lost--> STOPPING --stopped--> WAITING (candidate again)
+    WAITING --live--> LIVE --lost--> STOPPING --stopped--> WAITING (requeued)
        |                 ^  |
        |                 |  +--hand-over--> HANDING_OVER --stopped--> WAITING (requeued)
        | standby(addr)   | live (the lease took over at synced epoch + 1)
@@ -44,8 +44,8 @@ Invariants
   a mirror running (STOP_MIRROR comes first).
 - A LOST event while live is answered by STOP_SERVING before anything else; the store
   becomes a candidate again only after STOPPED (no overlap of serving and candidacy).
-- REQUEUE comes only after a hand-over's STOPPED: the live member znode goes only
-  once the broker answers nothing more.
+- REQUEUE comes only after STOPPED (a hand-over's, or a stop after a lost lease):
+  the live member znode goes only once the broker answers nothing more.
 - START_MIRROR always comes after WITHDRAW: a process whose store is being replaced
   is never a candidate.
 - This module does no I/O and imports neither trio nor the broker.
@@ -148,7 +148,13 @@ TRANSITIONS: Final[dict[tuple[State, Event], Transition]] = {
     (S.LIVE, E.LIVE_MOVED): Transition((A.STOP_SERVING,), S.STOPPING),
     (S.LIVE, E.NO_LIVE): Transition((A.STOP_SERVING,), S.STOPPING),
     (S.LIVE, E.LIVE): Transition((), S.LIVE),
-    (S.STOPPING, E.STOPPED): Transition((A.CANDIDATE,), S.WAITING),
+    # requeued, not only a candidate: a member that stopped while ZooKeeper still
+    # names its znode live (a LOST it reported to itself, a same-session reconnect)
+    # must let the lease evaluate again, and its copy may be of a later epoch
+    (S.STOPPING, E.STOPPED): Transition((A.REQUEUE,), S.WAITING),
+    # the lease took over again while the broker is stopping (the session survived a
+    # SUSPENDED): it stops all the same; REQUEUE then claims that epoch
+    (S.STOPPING, E.LIVE): Transition((), S.STOPPING),
     # the broker stopped on its own while live (a store failure): the lease goes
     (S.LIVE, E.STOPPED): Transition((A.WITHDRAW,), S.WAITING),
     (S.STOPPING, E.LOST): Transition((), S.STOPPING),

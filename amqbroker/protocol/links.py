@@ -436,8 +436,9 @@ class ProducerLink:
             return
         a = self.address
         broker = self.broker
-        if broker.sends_refused is not None:
-            # an HA live member resumed after a pause: its lease is in doubt
+        if broker.sends_refused is not None and not self.bypass_router:
+            # an HA live member resumed after a pause: its lease is in doubt (a peer's
+            # forwarded message is durable, fenced by its store cycle, or non-durable)
             self._refuse(d, presettled, "amqp:resource-limit-exceeded", broker.sends_refused)
             return
         if durable and broker.durable_refused is not None and not self.bypass_router:

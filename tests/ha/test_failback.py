@@ -13,6 +13,7 @@ answering alone would make the primary's copy stale: it could not take over at 3
 from __future__ import annotations
 
 import contextlib
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -99,13 +100,13 @@ async def test_the_live_backup_hands_the_node_id_back_to_the_primary_under_load(
     nursery.start_soon(load)
     again = await member(procs, "primary", tmp_path / "a", p_port, zookeeper, zk_path)
     await again.wait_for_line(r"is standby \(live node1@127\.0\.0\.1:\d+ .*epoch 3\)", timeout=WAIT)
-    synced = await again.wait_for_line(
-        r"HA backup: in sync with the primary .*\(epoch (\d+),", timeout=WAIT
-    )
-    epoch = int(synced[1])  # 3, or later if the live member answered alone again
     asked = await backup.wait_for_line(
         r"^(\S+ \S+) .*hands the node id back to the primary node1@", timeout=WAIT
     )
+    # the epoch of the copy handed over to: its last sync (3, or later if the live
+    # member answered alone again and the primary resynced)
+    in_sync = re.compile(r"HA backup: in sync with the primary .*\(epoch (\d+),")
+    epoch = [int(m[1]) for line in again.stderr_lines if (m := in_sync.search(line))][-1]
     await backup.wait_for_line(r"is now HANDING_OVER", timeout=WAIT)
     # the primary takes over at once with the very next epoch: no cycle of the
     # hand-over was answered alone (that would have taken an epoch and made the

@@ -224,8 +224,19 @@ async def test_a_short_pause_refuses_sends_only_until_zookeeper_confirms_the_lea
     zk_path: str,  # noqa: F811
 ) -> None:
     primary, backup, p_port, _ = await start_pair(procs, tmp_path, zookeeper, zk_path)
+    c = await Client.connect(p_port, nursery=nursery)
+    s = await c.sender("orders")
     primary.send_signal(signal.SIGSTOP)
-    primary.send_signal(signal.SIGCONT)  # a pause far shorter than the session
+    try:  # a pause far shorter than the session, with a send queued meanwhile
+        queued = s.send_nowait(Message(body="queued", durable=False, properties={"i": -1}))
+        await c._flush()
+    finally:
+        primary.send_signal(signal.SIGCONT)
+    await c._wait(lambda: bool(queued.remote_state), WAIT)
+    # read after the resume: refused until ZooKeeper confirmed the lease
+    assert queued.remote_state == Delivery.REJECTED
+    assert "was paused and is checking in ZooKeeper" in str(queued.remote.condition)
+    c.abort()
     await primary.wait_for_line(
         r"resumed after a pause; ZooKeeper confirms it is live at epoch 1", timeout=WAIT
     )

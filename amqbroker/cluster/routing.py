@@ -512,6 +512,11 @@ class Routing(NodePart):
                 status,
                 m.properties.get("statusDescription"),
             )
+            if status == 503:
+                # "not the arbiter": the node it went to may learn that it leads only
+                # after this node learned it (an election's views reach the nodes in
+                # any order): no later arbiter change would re-send it, so try again
+                self.tasks.spawn(self._propose_again, o)
             return  # kept outstanding: re-sent when the arbiter changes or comes back
         epoch = int(body.get("epoch", 0))
         if not self.role.fence.check(epoch):
@@ -527,6 +532,15 @@ class Routing(NodePart):
         self.cache[o.key] = Cached(node, str(body["queue"]), epoch, trio.current_time())
         o.result = node
         o.answered.set()
+
+    async def _propose_again(self, o: Outstanding) -> None:
+        """After a 503, send `o` again (to the arbiter known then) in
+        ``cluster_reconnect_initial`` seconds, if it is still waiting; the proposal's
+        own ``grouping_timeout`` bounds the attempts."""
+        await trio.sleep(self.settings.cluster_reconnect_initial)
+        waiting = self.outstanding.get(o.key) is o and not o.answered.is_set()
+        if waiting and not self.role.is_leader:
+            self._send_proposal(o)
 
     def role_changed(self) -> None:
         if self.role.is_leader:  # proposals waiting for another arbiter: decided here now

@@ -168,6 +168,7 @@ class ClusterNode:
                 confirm=self.election.confirm,
                 on_fenced=lambda epoch: self.role.become_follower(None, epoch),
                 retry_delay=s.cluster_reconnect_initial,
+                spawn=self.spawn,  # the eager snapshot to a new backup
             )
             self.arbiter.add_replica(self.replicator)
             self.replica_store = ReplicaStore(
@@ -309,11 +310,24 @@ class ClusterNode:
             )
 
     async def _monitor_loop(self) -> None:
-        """Lost peers and consumerless instances (`NodeLoss.check_peers`)."""
+        """Lost peers and consumerless instances (`NodeLoss.check_peers`); the link to
+        the backup arbiter up again (`_backup_link_check`)."""
         period = min(0.2, self.settings.cluster_node_timeout / 4)
         while True:
             await trio.sleep(period)
             await self.node_loss.check_peers()
+            self._backup_link_check()
+
+    def _backup_link_check(self) -> None:
+        """While the link to the backup arbiter is up, `Replicator.link_up` sends it the
+        snapshot if it is not in sync (a no-op when it is, or when one is under way):
+        after the link dropped, the backup catches up without waiting for a decision."""
+        r = self.replicator
+        if r is None or r.target is None:
+            return
+        p = self.peers.get(r.target)
+        if p is not None and p.ready:
+            r.link_up(r.target)
 
     async def _reaper_loop(self) -> None:
         while True:

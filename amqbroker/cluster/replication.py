@@ -15,7 +15,17 @@ every decision that was waiting) after its own fsync and before it answers them:
   **snapshot** (every ready binding; the backup replaces its table with it, writing
   an unbind for each key it held that the snapshot lacks). The snapshot is sent again
   after the backup changed, its link dropped or the epoch changed, so a backup that
-  missed decisions never stays behind;
+  missed decisions never stays behind. It is sent **eagerly**, in a task of the
+  node's nursery (``spawn``), as soon as the backup is named (`set_target`, also when
+  this node starts leading at an epoch) or its link is up again (`link_up`): a
+  leader that dies before its next decision leaves a backup, soon the new leader,
+  with the current table. A link that is down ends the attempt (its return starts
+  another); a 503 is retried after ``retry_delay`` while the backup and the epoch
+  stay the same; a change of either ends it (and starts the new backup's). The batch
+  path sends the snapshot itself (**lazily**, the fallback) when the backup is not
+  in sync yet. Both hold one lock, which a batch holds from start to end: a snapshot
+  never overlaps a batch, so every binding is either in it (ready, its batch done)
+  or sent after it (its batch not started);
 * the wait ends with the acknowledgement, with the link's loss or a change of backup
   (the batch is then sent to the new backup), or with a refusal:
   409 (the backup knows a higher epoch: this node is a fenced old arbiter; it steps
@@ -42,6 +52,7 @@ backup in the order the leader sent them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -58,6 +69,8 @@ log = logging.getLogger("amqbroker.cluster")
 #: send(peer_id, body, on_answer(status, description, body)) -> False if the link is down
 Send = Callable[[str, dict[str, Any], Callable[[int, str, Any], None]], bool]
 Respond = Callable[[int, str, Any], None]
+#: spawn(async_fn) -> False if it could not be started (the node's nursery, see node.py)
+Spawn = Callable[[Callable[[], Awaitable[None]]], bool]
 
 OK, ABORTED, RETRY, FENCED = "ok", "aborted", "retry", "fenced"
 
@@ -81,6 +94,7 @@ class Replicator:
         confirm: Callable[[int], Awaitable[bool]] | None,
         on_fenced: Callable[[int], None],
         retry_delay: float,
+        spawn: Spawn | None = None,
     ) -> None:
         self.arbiter = arbiter
         self.send = send
@@ -88,8 +102,11 @@ class Replicator:
         self.confirm = confirm
         self.on_fenced = on_fenced
         self.retry_delay = retry_delay
+        self.spawn = spawn
         self.target: str | None = None
         self.synced: tuple[str, int] | None = None
+        #: (target, epoch) of the eager snapshot task started and not ended yet
+        self._eager: tuple[str, int] | None = None
         self._waits: dict[str, set[_Wait]] = {}
         self._lock = trio.Lock()
         self._warned = False
@@ -100,65 +117,116 @@ class Replicator:
 
     # ----------------------------------------------------------- state changes
     def set_target(self, backup: str | None) -> None:
-        """The election's backup changed (or this node stopped leading: None)."""
-        if backup == self.target:
-            return
-        old, self.target = self.target, backup
-        self.synced = None
-        if old is not None:
-            self._abort(old)
+        """The election's backup changed (or this node stopped leading: None); called
+        again with the same backup when the role changes (a new epoch): the snapshot
+        is sent now if the backup is not in sync at the current epoch."""
+        if backup != self.target:
+            old, self.target = self.target, backup
+            self.synced = None
+            if old is not None:
+                self._abort(old)
+        self._start_snapshot()
 
     def link_down(self, peer: str) -> None:
         if self.synced is not None and self.synced[0] == peer:
             self.synced = None
         self._abort(peer)
 
+    def link_up(self, peer: str) -> None:
+        """The link to `peer` is up: if it is the backup and not in sync, the snapshot
+        is sent now (nothing if one is under way already)."""
+        if peer == self.target:
+            self._start_snapshot()
+
     def _abort(self, peer: str) -> None:
         for w in self._waits.pop(peer, set()):
             w.outcome = ABORTED
             w.done.set()
 
+    # ------------------------------------------------------------- snapshots
+    def _wanted(self, target: str, epoch: int) -> bool:
+        """Whether a snapshot for (target, epoch) is still to be sent."""
+        return (
+            self.arbiter.leading
+            and self.target == target
+            and self.epoch() == epoch
+            and self.synced != (target, epoch)
+        )
+
+    def _start_snapshot(self) -> None:
+        """The eager snapshot (see the module docstring), in the node's nursery."""
+        target, epoch = self.target, self.epoch()
+        if self.spawn is None or target is None or not self._wanted(target, epoch):
+            return
+        if self._eager == (target, epoch):
+            return  # under way (or waiting for the lock)
+        self._eager = (target, epoch)
+        if not self.spawn(functools.partial(self._eager_snapshot, target, epoch)):
+            self._eager = None  # not running yet: the batch path sends it
+
+    async def _eager_snapshot(self, target: str, epoch: int) -> None:
+        try:
+            while self._wanted(target, epoch):
+                async with self._lock:
+                    if not self._wanted(target, epoch):
+                        return  # the batch path sent it meanwhile
+                    outcome = await self._snapshot(target, epoch, "further proposals")
+                if outcome != RETRY:
+                    return  # in sync, the link is down (link_up starts another) or aborted
+        except NotArbiter:
+            return  # fenced: on_fenced was called
+        except Exception:  # not the node's end: the batch path sends it instead
+            log.exception("sending the snapshot to backup arbiter %s failed", target)
+        finally:
+            if self._eager == (target, epoch):
+                self._eager = None
+
+    async def _snapshot(self, target: str, epoch: int, d: str) -> str:
+        """Send the snapshot once (the caller holds the lock): `_exchange`'s outcome."""
+        snap = [b.to_dict() for b in self.arbiter.snapshot()]
+        outcome = await self._exchange(target, {"epoch": epoch, "snapshot": snap}, epoch, d)
+        if outcome == OK:
+            self.synced = (target, epoch)
+            self._warned = False
+            log.info(
+                "backup arbiter %s is in sync (%d group binding(s), epoch %d); "
+                "decisions are replicated to it before every answer",
+                target,
+                len(snap),
+                epoch,
+            )
+        return outcome
+
     # ------------------------------------------------------------- replicating
     async def __call__(self, batch: list[Decision]) -> None:
         # named in logs and exceptions
         d = repr(batch[0].key) + (f" and {len(batch) - 1} more" if len(batch) > 1 else "")
-        while True:
-            if not self.arbiter.leading:
-                raise NotArbiter(d)  # stepped down meanwhile: the new arbiter decides
-            target, epoch = self.target, self.epoch()
-            if target is None:
-                await self._unreplicated(d, "no backup arbiter is elected")
-                return
-            if self.synced != (target, epoch):
-                async with self._lock:
-                    if self.synced != (target, epoch) and self.target == target:
-                        snap = [b.to_dict() for b in self.arbiter.snapshot()]
-                        outcome = await self._exchange(
-                            target, {"epoch": epoch, "snapshot": snap}, epoch, d
-                        )
-                        if outcome == OK:
-                            self.synced = (target, epoch)
-                            self._warned = False
-                            log.info(
-                                "backup arbiter %s is in sync (%d group binding(s), epoch %d); "
-                                "decisions are replicated to it before every answer",
-                                target,
-                                len(snap),
-                                epoch,
-                            )
-                        elif outcome == "down":
-                            await self._unreplicated(d, f"the link to backup {target} is down")
-                            return
-                continue
-            body = {"epoch": epoch, "decisions": [x.to_dict() for x in batch]}
-            outcome = await self._exchange(target, body, epoch, d)
-            if outcome == OK:
-                self.replicated += len(batch)
-                self.messages += 1
-                return
-            if outcome == "down":
-                await self._unreplicated(d, f"the link to backup {target} is down")
-                return
+        # held for the whole batch: an eager snapshot never overlaps it (its bindings
+        # become ready only once it returns, so a snapshot taken meanwhile would lack
+        # them while the batch itself went to the previous backup, or nowhere)
+        async with self._lock:
+            while True:
+                if not self.arbiter.leading:
+                    raise NotArbiter(d)  # stepped down meanwhile: the new arbiter decides
+                target, epoch = self.target, self.epoch()
+                if target is None:
+                    await self._unreplicated(d, "no backup arbiter is elected")
+                    return
+                if self.synced != (target, epoch):
+                    # not sent eagerly yet (or that failed): sent here, the fallback
+                    if await self._snapshot(target, epoch, d) == "down":
+                        await self._unreplicated(d, f"the link to backup {target} is down")
+                        return
+                    continue
+                body = {"epoch": epoch, "decisions": [x.to_dict() for x in batch]}
+                outcome = await self._exchange(target, body, epoch, d)
+                if outcome == OK:
+                    self.replicated += len(batch)
+                    self.messages += 1
+                    return
+                if outcome == "down":
+                    await self._unreplicated(d, f"the link to backup {target} is down")
+                    return
 
     async def _exchange(self, target: str, body: dict[str, Any], epoch: int, d: str) -> str:
         """One request to the backup: OK, "down" (link not up), or after ABORTED/RETRY

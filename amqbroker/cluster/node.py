@@ -310,24 +310,11 @@ class ClusterNode:
             )
 
     async def _monitor_loop(self) -> None:
-        """Lost peers and consumerless instances (`NodeLoss.check_peers`); the link to
-        the backup arbiter up again (`_backup_link_check`)."""
+        """Lost peers and consumerless instances (`NodeLoss.check_peers`)."""
         period = min(0.2, self.settings.cluster_node_timeout / 4)
         while True:
             await trio.sleep(period)
             await self.node_loss.check_peers()
-            self._backup_link_check()
-
-    def _backup_link_check(self) -> None:
-        """While the link to the backup arbiter is up, `Replicator.link_up` sends it the
-        snapshot if it is not in sync (a no-op when it is, or when one is under way):
-        after the link dropped, the backup catches up without waiting for a decision."""
-        r = self.replicator
-        if r is None or r.target is None:
-            return
-        p = self.peers.get(r.target)
-        if p is not None and p.ready:
-            r.link_up(r.target)
 
     async def _reaper_loop(self) -> None:
         while True:

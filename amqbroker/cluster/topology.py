@@ -315,6 +315,8 @@ class Topology(NodePart):
                 if b.node == p.node_id:
                     b.last_used = now
         log.info("cluster link to %s (%s) is up", p.node_id, p.address)
+        if self.replicator is not None:
+            self.replicator.link_up(p.node_id)  # the backup arbiter gets its snapshot now
         c = BridgeConsumer(p.node_id, p.inbound, self.tasks.flush, p.awaiting)
         p.consumer = c
         p.inbound.on_credit = c.refresh_credit

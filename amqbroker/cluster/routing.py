@@ -18,7 +18,9 @@ use every half `grouping_group_timeout`. The arbiter un-proposes (`unbind`: here
 every peer, which drop the cached answer and unpin the group in their local queue)
 bindings that the reaper expired and those of a node unreachable for
 `cluster_node_timeout`. Proposals outstanding while the arbiter is unreachable are
-kept and sent again when its link is back. Answers of an epoch older than the current
+kept and sent again when its link is back, or when another arbiter is known; one
+answered 503 (the node asked does not know yet that it leads) is sent again after
+`cluster_reconnect_initial`. Answers of an epoch older than the current
 one are ignored (fencing). An un-proposal names the node it unbinds, so a late one
 never drops a newer answer.
 

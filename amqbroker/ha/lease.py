@@ -15,15 +15,16 @@ worker thread, fence and epoch compare-and-set this module shares through
   ``{"member": id, "address": "host:port", "synced": epoch, "role": ha_role}``,
   rewritten when the member's copy changes epoch; `ZkLease.requeue` deletes and
   creates it again, at the end of the order, which is how a live member handing the
-  node id back to the primary lets that primary take over first). A member is eligible once it calls
-  `ZkLease.candidate` with ``synced_epoch``, the epoch its store is a complete copy of
-  (a backup: the epoch of the live it finished syncing from; a primary restarting on
-  its own store: the epoch it last served under, kept by `save_served_epoch`). It
-  stops being eligible on `ZkLease.withdraw`, when it leaves (the znode is deleted) or
-  when its ZooKeeper session ends (ZooKeeper deletes the znode). Sorted by sequence,
-  the members whose ``synced`` is the current epoch give the order; the first of them
-  may take over (a stale member ahead, say an older copy restarted first, blocks
-  nobody), and nobody takes over while the epoch's live member znode exists;
+  node id back to the primary lets that primary take over first). A member is eligible
+  once it calls `ZkLease.candidate` with ``synced_epoch``, the epoch its store is a
+  complete copy of (a backup: the epoch of the live it finished syncing from; a
+  primary restarting on its own store: the epoch it last served under, kept by
+  `save_served_epoch`). It stops being eligible on `ZkLease.withdraw`, when it leaves
+  (the znode is deleted) or when its ZooKeeper session ends (ZooKeeper deletes the
+  znode). Sorted by sequence, the members whose ``synced`` is the current epoch give
+  the order; the first of them may take over (a stale member ahead, say an older copy
+  restarted first, blocks nobody), and nobody takes over while the epoch's live member
+  znode exists;
 * ``epoch``: JSON ``{"epoch": n, "live": id, "address": addr, "znode": m_<seq>}``,
   created with epoch 0 (nobody live) by the first member to connect. To become live,
   a member that is first among the eligible members in sync **and** whose
@@ -479,12 +480,13 @@ class ZkLease(ZkWorker[LeaseView]):
             self._my_node = None  # deleted under us (by an operator?): join again
             self._wake.put("rejoin")
             return
-        members = [_member_id(d) for d in data]
-        addresses = [_member_address(d) for d in data]
+        parsed = [_member(d) for d in data]
+        members = tuple(m[0] for m in parsed)
+        addresses = tuple(m[1] for m in parsed)
         own = [c == my_name for c in children]
-        synceds = [synced if o else _member_synced(d) for o, d in zip(own, data, strict=True)]
-        roles = [self.role if o else _member_role(d) for o, d in zip(own, data, strict=True)]
-        listing = (tuple(members), tuple(addresses), tuple(synceds), tuple(roles))
+        synceds = tuple(synced if o else m[2] for o, m in zip(own, parsed, strict=True))
+        roles = tuple(self.role if o else m[3] for o, m in zip(own, parsed, strict=True))
+        listing = (members, addresses, synceds, roles)
 
         # the first member whose copy is of the current epoch may take over: a stale
         # member ahead of it (an older copy restarted first) must not block it. A
@@ -617,32 +619,20 @@ class ZkLease(ZkWorker[LeaseView]):
         )
 
 
-def _member_synced(data: bytes) -> int | None:
-    try:
-        got = json.loads(data.decode("utf-8")).get("synced")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        return None
-    return got if isinstance(got, int) else None
-
-
-def _member_role(data: bytes) -> str:
-    try:
-        got = json.loads(data.decode("utf-8")).get("role")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        return ""
-    return got if isinstance(got, str) else ""
-
-
-def _member_address(data: bytes) -> str:
-    try:
-        return str(json.loads(data.decode("utf-8"))["address"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return ""
-
-
-def _member_id(data: bytes) -> str:
+def _member(data: bytes) -> tuple[str, str, int | None, str]:
+    """A member znode's id, address, synced epoch and role, parsed once. What is
+    missing or unreadable: the raw text as the id, "" as address and role, None as
+    the epoch."""
     try:
         doc = json.loads(data.decode("utf-8"))
-        return str(doc["member"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return data.decode("utf-8", "replace")
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        return data.decode("utf-8", "replace"), "", None, ""
+    synced, role = doc.get("synced"), doc.get("role")
+    return (
+        str(doc["member"]) if "member" in doc else data.decode("utf-8", "replace"),
+        str(doc["address"]) if "address" in doc else "",
+        synced if isinstance(synced, int) else None,
+        role if isinstance(role, str) else "",
+    )

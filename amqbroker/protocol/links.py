@@ -436,14 +436,15 @@ class ProducerLink:
             return
         a = self.address
         broker = self.broker
-        if broker.sends_refused is not None and not self.bypass_router:
-            # an HA live member resumed after a pause: its lease is in doubt (a peer's
-            # forwarded message is durable, fenced by its store cycle, or non-durable)
-            self._refuse(d, presettled, "amqp:resource-limit-exceeded", broker.sends_refused)
-            return
-        if durable and broker.durable_refused is not None and not self.bypass_router:
-            # an HA primary with no backup in sync, ha_unreplicated = "refuse"
-            self._refuse(d, presettled, "amqp:resource-limit-exceeded", broker.durable_refused)
+        # an HA live member resumed after a pause (its lease in doubt: every send), or
+        # a primary with no backup in sync under ha_unreplicated = "refuse" (durable
+        # sends); never a peer's forwarded message (durable: fenced by its store
+        # cycle; a refusal would dead-letter it at the peer)
+        refused = broker.sends_refused
+        if refused is None and durable:
+            refused = broker.durable_refused
+        if refused is not None and not self.bypass_router:
+            self._refuse(d, presettled, "amqp:resource-limit-exceeded", refused)
             return
         try:
             if a is None:

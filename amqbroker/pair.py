@@ -293,19 +293,24 @@ class PairMember:
             if self.app is not None:
                 self.app.request_shutdown()
 
-    async def _start_app(self, app: BrokerApp, then: roles.Event | None) -> None:
+    async def _start_app(
+        self,
+        app: BrokerApp,
+        then: roles.Event | None,
+        beside: Callable[[BrokerApp], Awaitable[None]] | None = None,
+    ) -> None:
+        """Run `app` (after the previous one stopped), and `beside` it while it runs;
+        `then` is pushed when it ends."""
         await self._stop_app()
         assert self._nursery is not None
         self.app = app
         done = self._app_done = trio.Event()
-        failback = then is Ev.STOPPED and self.settings.ha_failback
-        failback = failback and self.settings.ha_role == "backup"
 
         async def runner() -> None:
             try:
                 async with trio.open_nursery() as n:
-                    if failback:
-                        n.start_soon(self._watch_failback, app)
+                    if beside is not None:
+                        n.start_soon(beside, app)
                     await app.run()
                     n.cancel_scope.cancel()
             finally:
@@ -355,7 +360,8 @@ class PairMember:
             self.epoch,
             self.address,
         )
-        await self._start_app(app, Ev.STOPPED)
+        failback = self.settings.ha_failback and self.settings.ha_role == "backup"
+        await self._start_app(app, Ev.STOPPED, self._watch_failback if failback else None)
 
     # ------------------------------------------------------------ a pause
     def _on_sigcont(self, _signum: int, _frame: object) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,23 @@ from amqbroker.settings import Settings
 from tests.client import Client
 
 BrokerFactory = Callable[..., Awaitable[BrokerApp]]
+
+#: seconds a test's kazoo clients get to finish stopping after the test
+KAZOO_STOP_WAIT = 15.0
+
+
+@pytest.fixture(autouse=True)
+def no_kazoo_client_left() -> Iterator[None]:
+    """Fail the test that leaves a ZooKeeper client running: it would retry a stopped
+    ZooKeeper for the rest of the run, and its retry jitter (the global `random`)
+    breaks later Hypothesis tests far from the cause."""
+    before = set(threading.enumerate())
+    yield
+    left = [t for t in threading.enumerate() if t.name.endswith("(zk_loop)") and t not in before]
+    for t in left:
+        t.join(KAZOO_STOP_WAIT / len(left))
+    if alive := [t.name for t in left if t.is_alive()]:
+        pytest.fail(f"a kazoo client outlived the test: {alive}")
 
 
 @pytest.fixture

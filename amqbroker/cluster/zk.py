@@ -13,8 +13,12 @@ is live (`amqbroker.ha.lease`). Both follow one pattern, implemented here once:
   channel of `VIEW_CHANNEL_SIZE` views (the worker waits for room: nothing is dropped,
   order is kept) and calls the subclass's ``_dispatch`` for every change, on the trio
   thread. Cancelling `run` leaves: the worker deletes its own znode (so the next in line
-  takes over at once), closes the client and ends (waited for within the session
-  timeout plus 5 s, then abandoned: it is a daemon thread).
+  takes over at once), closes the client and ends. If it has not ended within
+  `LEAVE_GRACE` (blocked in a call queued while disconnected, which kazoo answers only
+  after a reconnection that may never come), `run` closes the client under it, which
+  fails that call: no kazoo client outlives `run` to retry a gone ZooKeeper forever.
+  The thread is waited for within the session timeout plus 5 s in all, then abandoned
+  (a daemon thread).
 * every kazoo state change starts a new *connection generation*; each view carries the
   generation its evaluation started in. With ``fast_lost`` (the HA lease), a change to
   SUSPENDED or LOST also goes from kazoo's listener straight to the trio thread
@@ -37,6 +41,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -60,6 +65,9 @@ __all__ = [
 #: views waiting for the trio thread (`ZkWorker.run`); when full, the worker thread
 #: waits for room instead of dropping one
 VIEW_CHANNEL_SIZE: Final = 64
+#: seconds the worker gets to leave on its own (delete its znode, close the client)
+#: before `ZkWorker.run` closes the client under it
+LEAVE_GRACE: Final = 1.0
 #: first and largest delay between reconnection attempts to ZooKeeper, seconds
 RECONNECT_FIRST_DELAY: Final = 0.05
 
@@ -230,6 +238,9 @@ class ZkWorker(Generic[V]):
         self._fast_lost = fast_lost
         self._token: trio.lowlevel.TrioToken | None = None
         self._lost_gen = 0  # trio side: views of older generations are stale
+        self._leaving = False  # run() has ended: a failing kazoo call is expected
+        self._close_lock = threading.Lock()  # the worker and run() may both close
+        self._closed = False
 
     # --------------------------------------------------------------- subclass API
 
@@ -329,6 +340,7 @@ class ZkWorker(Generic[V]):
                 trio.from_thread.run(send.send, view, trio_token=token)
 
         self._deliver = deliver
+        self._leaving = self._closed = False
         self._thread = threading.Thread(
             target=self._thread_main, name=self._thread_name, daemon=True
         )
@@ -350,10 +362,24 @@ class ZkWorker(Generic[V]):
                     self._apply(view, gen)
         finally:
             self._token = None
+            self._leaving = True
             self._wake.put(_STOP)
             with trio.CancelScope(shield=True), trio.move_on_after(self._session_timeout + 5):
                 # abandoned when the bound runs out (a daemon thread stuck in kazoo)
-                await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
+                await self._join(LEAVE_GRACE)
+                if self._thread.is_alive() and self._client is not None:
+                    # blocked in a kazoo call: closing the client fails that call
+                    await trio.to_thread.run_sync(
+                        self._close_client, self._client, abandon_on_cancel=True
+                    )
+                await self._join(None)
+
+    async def _join(self, bound: float | None) -> None:
+        """Wait for the worker thread to end, at most `bound` seconds (None: no bound
+        of its own)."""
+        assert self._thread is not None
+        with trio.move_on_after(math.inf if bound is None else bound):
+            await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
 
     def _apply(self, view: V, gen: int) -> None:
         if gen < self._lost_gen and self._connected(view):
@@ -425,6 +451,8 @@ class ZkWorker(Generic[V]):
                 try:
                     self._evaluate()
                 except Exception as exc:
+                    if self._leaving:
+                        break  # run() closed the client under a blocked call
                     self._on_zk_error(exc)
         finally:
             self._leave(client)
@@ -477,6 +505,15 @@ class ZkWorker(Generic[V]):
             pass  # the session's end deletes it anyway
         finally:
             self._my_node = None
+            self._close_client(client)
+
+    def _close_client(self, client: Any) -> None:
+        """Stop and close `client` once (the worker on leaving, or `run` when the
+        worker is blocked in a call; blocking: a thread's call)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
             try:
                 client.stop()
                 client.close()

@@ -9,7 +9,9 @@ call per message (`accept`), what becomes of it:
 1. duplicate detection (address setting duplicate_detection_window): a duplicate is
    answered `accepted` and dropped (DUPLICATE); a transaction's sends are checked when
    it commits (`core.transaction`), not here;
-2. the delivery log's `received` record (the target address in `queue`);
+2. the delivery log's `received` record (the target address in `queue`), held and
+   folded with the queue's records when one queue named as the address takes the
+   message at once (`amqbroker.core.delivery_log`);
 3. a transactional send is held by its transaction (ENLIST: the caller enlists it, as
    only the protocol layer can read the txn-id off the transfer); an anycast address
    whose queue an operator deleted gets it back first, or NotFound; with a router, a
@@ -43,13 +45,15 @@ from typing import TYPE_CHECKING
 
 from amqbroker.core.address import ANYCAST
 from amqbroker.core.broker import NO_ROUTE, PENDING, ROUTED, ROUTED_SYNC
-from amqbroker.core.delivery_log import RECEIVED
+from amqbroker.core.delivery_log import RECEIVED, RECEIVED_ROUTED
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError
 
 if TYPE_CHECKING:
     from amqbroker.core.address import Address
     from amqbroker.core.broker import Broker
+    from amqbroker.core.delivery_log import DeliveryLog
+    from amqbroker.core.queue import Queue
 
 __all__ = [
     "DUPLICATE",
@@ -102,8 +106,9 @@ def accept(
     if a.dedup is not None and not transactional and broker.is_duplicate(a, data):
         return DUPLICATE
     dlog = broker.dlog
-    if dlog is not None:
+    if dlog is not None and (transactional or (done is not None and broker.router is not None)):
         dlog.event(RECEIVED, a.name, e)
+        dlog = None  # recorded: not held below
     if transactional:
         if not a.queues and a.routing == ANYCAST:
             broker.anycast_queue(a)  # its queue was deleted: back, or NotFound
@@ -131,7 +136,32 @@ def accept(
         # costs one call from the link, not two (measured: about 2 % of the broker's
         # CPU per message); everything else is Broker.route's
         q = qs[0]
-        q.enqueue(e)
+        if dlog is None:
+            q.enqueue(e)
+        else:
+            _enqueue_logged(dlog, a, q, e)
         broker.routed += 1
         return ROUTED_SYNC if q.durable and e.durable else ROUTED
+    if dlog is not None:
+        dlog.event(RECEIVED, a.name, e)
     return broker.route(a, e)
+
+
+def _enqueue_logged(dlog: DeliveryLog, a: Address, q: Queue, e: Entry) -> None:
+    """`q.enqueue(e)` with the delivery log on: the ``received`` record is held and
+    folded with ``routed`` (and ``dispatched``) into one record when `q` is named as
+    its address and does not page the message out (see `amqbroker.core.delivery_log`)."""
+    if q.name != a.name or (
+        q.pager is not None and (q.paged_count or (q.address is not None and q.address.full))
+    ):
+        dlog.event(RECEIVED, a.name, e)
+        q.enqueue(e)
+        return
+    dlog.held = e
+    dlog.held_queue = a.name
+    try:
+        q.enqueue(e)
+    finally:
+        if dlog.held is e:  # not dispatched on the way, nor recorded by another event
+            dlog.held = None
+            dlog.event(RECEIVED_ROUTED, a.name, e)

@@ -36,10 +36,21 @@ turns the buffer into files (`delivery_log_format.py` in `amqbroker.pipeline` is
 file format). When the log is off the core holds ``None`` and every event site costs
 one attribute test.
 
-Invariants: one call per event; `entry` is read at the call (its delivery-count and
-group are those of that moment); `Entry.trace` caches the message-id text, the
-producer id and the producer identity (set by the protocol layer at `received`, filled
-lazily otherwise).
+Invariants: one call per event, except the common arrival below; `entry` is read at
+the call (its delivery-count and group are those of that moment); `Entry.trace` caches
+the message-id text, the producer id and the producer identity (set by the protocol
+layer at `received`, filled lazily otherwise).
+
+The common arrival is one record, not three (issue 22: the log's cost is per record):
+when `accept` hands a message to the one queue named as its address, it *holds* the
+message's ``received`` record (`DeliveryLog.held`, `held_queue`) instead of recording
+it, `Queue.enqueue` records no ``routed`` for a held message, and the log records one
+buffered record standing for ``received`` + ``routed`` (`RECEIVED_ROUTED`), or for
+those and the ``dispatched`` of the same call (`RECEIVED_DISPATCHED`, when the
+message goes out at once). Any other event first records the held one, so the order
+of the records is the order of the events; the writer expands a folded record into
+the records it stands for (same time, consecutive seqs) before writing: the files
+are the same as with one call per event.
 """
 
 from __future__ import annotations
@@ -63,6 +74,13 @@ DEAD_LETTERED = 7
 STARTED = 8
 UNBOUND = 9
 LATE = 10
+#: buffered only, never written (see the module docstring): one record for received +
+#: routed, and one for received + routed + dispatched, of a message taken by the
+#: queue named as its address; the number of records each stands for is
+#: ``code - FOLDED + 2``
+FOLDED = 64
+RECEIVED_ROUTED = FOLDED
+RECEIVED_DISPATCHED = FOLDED + 1
 
 #: why the arbiter released a binding (the ``outcome`` column of an ``unbound`` marker)
 UNBIND_NODE_LOST = "node-lost"  # its node was lost, policy move
@@ -86,6 +104,11 @@ MODIFIED = "modified"
 
 
 class DeliveryLog(Protocol):
+    #: the message whose ``received`` record `accept` holds back (None: none), and the
+    #: queue (= address) name it was received at and routed to
+    held: Entry | None
+    held_queue: str
+
     def event(
         self,
         event: int,

@@ -274,8 +274,9 @@ class Queue:
             a.size += n
             a.budget.used += n
         self.enqueued += 1
-        if self.dlog is not None:
-            self.dlog.event(dl.ROUTED, self.name, e)
+        dlog = self.dlog
+        if dlog is not None and dlog.held is not e:  # a held one is folded (accept)
+            dlog.event(dl.ROUTED, self.name, e)
         if self.durable and e.durable:
             self.store.message_added(self.qid, e)
         if e.deliver_at and self.schedule(e):

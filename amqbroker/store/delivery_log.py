@@ -62,7 +62,16 @@ from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from amqbroker.core.delivery_log import STARTED, BlockedProducer
+from amqbroker.core.delivery_log import (
+    DISPATCHED,
+    FOLDED,
+    RECEIVED,
+    RECEIVED_DISPATCHED,
+    RECEIVED_ROUTED,
+    ROUTED,
+    STARTED,
+    BlockedProducer,
+)
 from amqbroker.pipeline import delivery_log_format as fmt
 
 if TYPE_CHECKING:
@@ -99,17 +108,50 @@ Row = tuple[
 
 class Batch(list[Row]):
     """The records taken from the buffer; their seqs are implicit: `first_seq` for
-    the first, one more for each next, except the rows in `explicit` ((index, seq):
-    markers buffered after records were dropped for a full buffer)."""
+    the first, one more for each record the previous one stands for (a folded one,
+    `amqbroker.core.delivery_log.FOLDED`, stands for two or three), except the rows in
+    `explicit` ((index, seq): markers buffered after records were dropped for a full
+    buffer)."""
 
     first_seq = 1
     explicit: list[tuple[int, int]] = []
 
-    def seqs(self) -> list[int]:
-        out = list(range(self.first_seq, self.first_seq + len(self)))
-        for i, q in self.explicit:
-            out[i] = q
-        return out
+    def records(self) -> int:
+        """How many records the batch stands for (folded ones count two or three)."""
+        return sum(r[1] - FOLDED + 2 if r[1] >= FOLDED else 1 for r in self)
+
+    def expand(self) -> tuple[list[Row], list[int]]:
+        """The records to write and their seqs: each folded record becomes the
+        ``received``, ``routed`` (and ``dispatched``) records it stands for, with its
+        time, in consecutive seqs."""
+        q = self.first_seq
+        if not any(r[1] >= FOLDED for r in self):
+            seqs = list(range(q, q + len(self)))
+            for i, x in self.explicit:
+                seqs[i] = x
+            return self, seqs
+        explicit = dict(self.explicit)
+        rows: list[Row] = []
+        out: list[int] = []
+        add, add_seq = rows.append, out.append
+        for i, r in enumerate(self):
+            ev = r[1]
+            if ev < FOLDED:
+                add(r)
+                add_seq(explicit.get(i, q))
+                q += 1
+                continue
+            t, _, queue, mid, producer, gid, gseq, consumer, _, dc, ident = r
+            add((t, RECEIVED, queue, mid, producer, gid, gseq, None, None, dc, ident))
+            add((t, ROUTED, queue, mid, producer, gid, gseq, None, None, dc, ident))
+            add_seq(q)
+            add_seq(q + 1)
+            q += 2
+            if ev == RECEIVED_DISPATCHED:
+                add((t, DISPATCHED, queue, mid, producer, gid, gseq, consumer, None, dc, ident))
+                add_seq(q)
+                q += 1
+        return rows, out
 
 
 def pyarrow_available() -> bool:
@@ -160,6 +202,12 @@ class DeliveryLogWriter:
         #: last take (each took a seq), the rows buffered after a drop (index, seq)
         self._first = 1
         self._gap = 0
+        #: seqs the buffered folded records take beyond one each
+        self._extra = 0
+        #: the message whose received record accept() holds, and its queue (the
+        #: core's `DeliveryLog.held`)
+        self.held: Entry | None = None
+        self.held_queue = ""
         self._explicit: list[tuple[int, int]] = []
         #: (first seq, owner epoch) from that seq on: the cluster's arbiter epoch
         #: (`set_owner_epoch`), 0 on a single node; changes are rare (failovers)
@@ -270,11 +318,19 @@ class DeliveryLogWriter:
         consumer: Consumer | None = None,
         outcome: str | None = None,
     ) -> None:
+        held = self.held
+        if held is not None:
+            self.held = None
+            if held is entry and event == DISPATCHED:
+                event = RECEIVED_DISPATCHED  # one record for the three
+            else:  # another event: the held one is recorded first
+                self.event(RECEIVED_ROUTED, self.held_queue, held)
         buf = self._buf
         n = len(buf)
         if n >= self._cap:
-            self._gap += 1
-            self.dropped += 1
+            width = event - FOLDED + 2 if event >= FOLDED else 1
+            self._gap += width
+            self.dropped += width
             self._dropping += 1
             if self._dropping == 1:
                 log.warning(
@@ -306,15 +362,24 @@ class DeliveryLogWriter:
                 tr[2],
             )
         )
+        if event >= FOLDED:
+            self._extra += event - FOLDED + 1
         if n == self.take_at and self.wake is not None:
             self.wake()
+
+    def _record_held(self) -> None:
+        held = self.held
+        if held is not None:
+            self.held = None
+            self.event(RECEIVED_ROUTED, self.held_queue, held)
 
     def marker(self, event: int, queue: str, group_id: str, reason: str | None = None) -> None:
         """A marker about a group (`amqbroker.core.delivery_log.UNBOUND`, with its
         `reason` in the outcome column); rare, so never dropped for a full buffer."""
+        self._record_held()
         buf = self._buf
         if self._gap:
-            self._explicit.append((len(buf), self._first + len(buf) + self._gap))
+            self._explicit.append((len(buf), self._first + len(buf) + self._extra + self._gap))
         buf.append(
             (self._clock(), event, queue, None, None, group_id, None, None, reason, None, None)
         )
@@ -322,11 +387,12 @@ class DeliveryLogWriter:
     @property
     def _seq(self) -> int:
         """The last seq given (records buffered, dropped, taken)."""
-        return self._first + len(self._buf) + self._gap - 1
+        return self._first + len(self._buf) + self._extra + self._gap - 1
 
     def set_owner_epoch(self, epoch: int) -> None:
         """Records from the next event on carry this owner epoch (the cluster calls
         this when the grouping arbiter's epoch changes)."""
+        self._record_held()
         if epoch != self._epochs[-1][1]:
             self._epochs.append((self._seq + 1, epoch))
             if len(self._epochs) > _EPOCH_HISTORY:
@@ -362,14 +428,15 @@ class DeliveryLogWriter:
                 "delivery log: %d record(s) dropped while the buffer was full", self._dropping
             )
             self._dropping = 0
+        self._record_held()
         buf = self._buf
         if buf:
             buf.first_seq = self._first
             buf.explicit = self._explicit
             self._explicit = []
             self._buf = Batch()
-        self._first += len(buf) + self._gap
-        self._gap = 0
+        self._first += len(buf) + self._extra + self._gap
+        self._gap = self._extra = 0
         if self._blocked:
             blocked = list(self._blocked)
             self._blocked.clear()
@@ -404,11 +471,11 @@ class DeliveryLogWriter:
         if self._use_child:
             self._write_child(batch)
             return
-        seqs = batch.seqs()
+        rows, seqs = batch.expand()
         i = 0
-        n = len(batch)
+        n = len(rows)
         while i < n:
-            chunk = batch[i : i + self._chunk]
+            chunk = rows[i : i + self._chunk]
             chunk_seqs = seqs[i : i + self._chunk]
             i += len(chunk)
             if self._cur is None:
@@ -442,7 +509,7 @@ class DeliveryLogWriter:
 
     def _write_child(self, batch: Batch) -> None:
         if self.off:
-            self.dropped += len(batch)
+            self.dropped += batch.records()
             return
         child = self._child
         if child is not None and not child.alive:
@@ -450,7 +517,7 @@ class DeliveryLogWriter:
             exc: BaseException = OSError(f"exit code {child.returncode}")
             child.kill()
             self._child = child = None
-            if self._child_failed(len(batch), exc):
+            if self._child_failed(batch.records(), exc):
                 return
             log.error(
                 "delivery log: the child process writing %s died (%s); restarted (its "
@@ -467,7 +534,7 @@ class DeliveryLogWriter:
                 raise  # a value marshal cannot serialise: this batch only
             child.kill()
             self._child = None
-            if self._child_failed(len(batch), e):
+            if self._child_failed(batch.records(), e):
                 return
             raise OSError(
                 f"the delivery log's child process died ({e!r}); restarted for the next "

@@ -29,8 +29,11 @@ directs the shutdown).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import marshal
+import os
 import signal
 import struct
 import sys
@@ -38,6 +41,8 @@ from pathlib import Path
 from typing import IO, Any
 
 _LEN = struct.Struct("<I")
+#: the child's scheduling niceness, added to the broker's (lower priority)
+CHILD_NICE = 10
 
 
 def read_frame(f: IO[bytes]) -> Any:
@@ -63,6 +68,13 @@ def main() -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # millions of short-lived tuples and no reference cycles: the cyclic collector
+    # only costs time here (about 9 % of this process's CPU, measured)
+    gc.disable()
+    # background work: on a busy machine the broker's event loop and its clients go
+    # first (the buffer and the overflow policy bound what waits meanwhile)
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICE)
     logging.basicConfig(
         level=logging.WARNING, format="%(levelname)s amqbroker.delivery_log_worker: %(message)s"
     )

@@ -339,25 +339,27 @@ class DeliveryLogLoop:
             # is written even when the loop is cancelled at shutdown
             done = await self._deadline.run_sync(lambda: w.write_batch(batch))
         except Exception as exc:  # an OSError, or a bug: never stop the broker for it
-            w.dropped += len(batch)
+            lost = batch.records()
+            w.dropped += lost
             log.error(
                 "cannot write the delivery log in %s: %s; %d record(s) lost (free disk "
                 "space or fix the directory; the broker goes on)",
                 w.directory,
                 exc,
-                len(batch),
+                lost,
             )
             w.abandon_file()
             return True
         if not done:
             self.abandoned = True
-            w.dropped += len(batch)
+            lost = batch.records()
+            w.dropped += lost
             log.error(
                 "the delivery log in %s did not finish writing within shutdown_timeout; "
                 "abandoned %d record(s) being written and %d still buffered; the file "
                 "being written is left as it is",
                 w.directory,
-                len(batch),
+                lost,
                 w.pending,
             )
             return False

@@ -295,7 +295,7 @@ async def test_a_failed_write_loses_records_not_the_broker(run: Run, tmp_path: P
 
     def failing(batch: Any) -> None:
         if not failures:
-            failures.append(len(batch))
+            failures.append(batch.records())
             raise OSError(28, "No space left on device")
         real(batch)
 
@@ -475,3 +475,52 @@ def test_seq_is_implicit_but_exact_around_drops_and_markers(
     assert [r["group_id"] for r in rows[-3:]] == ["g1", "g2", None]
     assert [r["owner_epoch"] for r in rows[-3:]] == [0, 0, 5]
     assert w.statistics()["dropped"] == 2
+
+
+@pytest.mark.parametrize("file_format", ["jsonl", "parquet"])
+def test_folded_records_take_the_seqs_of_the_records_they_stand_for(
+    tmp_path: Path, file_format: str
+) -> None:
+    """A folded record (received + routed [+ dispatched], `accept`'s common arrival)
+    takes two or three seqs in the buffer, in a drop, and in the file."""
+    if file_format == "parquet":
+        pytest.importorskip("pyarrow.parquet")
+    w = DeliveryLogWriter(
+        tmp_path / "delivery-log",
+        file_format=file_format,
+        buffer_records=100,
+        overflow="drop",
+        clock=lambda: 1.5,
+        message_id=lambda data: data.decode(),
+        child=False,
+    )
+    w.open("w1")  # started: seq 1
+    w.event(dl.RECEIVED_DISPATCHED, "q", Entry(b"a"))  # 2-4
+    for i in range(97):
+        w.event(dl.ROUTED, "q", Entry(f"id{i}".encode()))  # 5-101
+    w.event(dl.RECEIVED_ROUTED, "q", Entry(b"b"))  # 102-103: the 100th buffered
+    w.event(dl.RECEIVED_DISPATCHED, "q", Entry(b"dropped"))  # 104-106, dropped
+    w.marker(dl.UNBOUND, "n/q", "g1", dl.UNBIND_IDLE)  # 107, kept
+    assert w.statistics()["seq"] == 107
+    assert w.dropped == 3
+    batch = w.take_batch()
+    assert batch is not None and len(batch) == 101 and batch.records() == 104
+    w.event(dl.RECEIVED_ROUTED, "q", Entry(b"c"))  # 108-109
+    w.write_batch(batch)
+    w.write_batch(w.take_batch() or [])
+    w.close()
+    rows = read_log(tmp_path / "delivery-log" / "w1", markers=True)
+    assert [r["seq"] for r in rows] == [*range(1, 104), 107, 108, 109]
+    assert [(r["event"], r["message_id"]) for r in rows[1:4]] == [
+        ("received", "a"),
+        ("routed", "a"),
+        ("dispatched", "a"),
+    ]
+    assert [(r["seq"], r["event"], r["message_id"]) for r in rows[-5:]] == [
+        (102, "received", "b"),
+        (103, "routed", "b"),
+        (107, "unbound", None),
+        (108, "received", "c"),
+        (109, "routed", "c"),
+    ]
+    assert {r["ts_us"] for r in rows} == {1_500_000}

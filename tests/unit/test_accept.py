@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
+from amqbroker.core import delivery_log as dl
 from amqbroker.core.accept import (
     DUPLICATE,
     ENLIST,
@@ -21,6 +23,9 @@ from amqbroker.core.broker import Broker
 from amqbroker.core.codec import PlainCodec
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError, NotFound, ResourceLimitExceeded
+from amqbroker.pipeline import delivery_log_format as fmt
+from amqbroker.store.delivery_log import DeliveryLogWriter
+from tests.unit.core_harness import FakeConsumer
 
 T0 = 1_700_000_000.0
 NOW_MS = int(T0 * 1000)
@@ -37,12 +42,24 @@ class IdCodec(PlainCodec):
         return data
 
 
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[int, str | None, bytes]] = []
+def delivery_log() -> DeliveryLogWriter:
+    """The real writer's buffer (nothing is written: `records` reads it back)."""
+    return DeliveryLogWriter(
+        Path("/nonexistent"),
+        file_format="jsonl",
+        clock=clock,
+        message_id=lambda data: data.decode(),
+    )
 
-    def event(self, event: int, queue: str | None, entry: Entry, *_: object) -> None:
-        self.events.append((event, queue, entry.data))
+
+def records(w: DeliveryLogWriter) -> list[tuple[int, str, str | None, str | None, str | None]]:
+    """(seq, event, queue, message-id, consumer) of what the buffer stands for, as the
+    files would hold it."""
+    batch = w.take_batch()
+    if batch is None:
+        return []
+    rows, seqs = batch.expand()
+    return [(q, fmt.EVENTS[r[1]], r[2], r[3], r[7]) for q, r in zip(seqs, rows, strict=True)]
 
 
 class Router:
@@ -115,14 +132,86 @@ def test_duplicate_dropped_but_a_transactional_send_is_not_checked() -> None:
 
 def test_received_is_logged_for_routed_and_transactional_sends_not_duplicates() -> None:
     b = make_broker(duplicate_detection_window=10)
-    log = Log()
-    b.dlog = log  # type: ignore[assignment]
+    w = b.dlog = delivery_log()
     a = b.address_for_producer("orders")
     accept(b, a, Entry(b"x"), b"x")
     accept(b, a, Entry(b"x"), b"x")
     accept(b, a, Entry(b"t"), b"t", transactional=True)
-    received = [(q, d) for ev, q, d in log.events if ev == 0]
-    assert received == [("orders", b"x"), ("orders", b"t")]
+    assert records(w) == [
+        (1, "received", "orders", "x", None),
+        (2, "routed", "orders", "x", None),
+        (3, "received", "orders", "t", None),  # routed at commit
+    ]
+
+
+def test_an_arrival_taken_at_once_is_one_buffered_record_standing_for_its_three() -> None:
+    """The common arrival holds its received record and folds it with routed and
+    dispatched: one buffered record, expanded to the same records as one call per
+    event would write (consecutive seqs, one time)."""
+    b = make_broker()
+    w = b.dlog = delivery_log()
+    a = b.address_for_producer("orders")
+    q = a.queues[0]
+    accept(b, a, Entry(b"m1"), b"m1")  # no consumer: received + routed
+    c = FakeConsumer("c1", clock)
+    c.credit = 2
+    q.add_consumer(c)
+    q.credit_changed(c)  # m1 goes out: dispatched, its own record
+    accept(b, a, Entry(b"m2"), b"m2")  # out at once: one record for three
+    accept(b, a, Entry(b"m3"), b"m3")  # no credit left: received + routed
+    assert [r[1] for r in w._buf] == [
+        dl.RECEIVED_ROUTED,
+        dl.DISPATCHED,
+        dl.RECEIVED_DISPATCHED,
+        dl.RECEIVED_ROUTED,
+    ]
+    assert w.statistics()["seq"] == 8
+    assert records(w) == [
+        (1, "received", "orders", "m1", None),
+        (2, "routed", "orders", "m1", None),
+        (3, "dispatched", "orders", "m1", "conn-c1/c1"),
+        (4, "received", "orders", "m2", None),
+        (5, "routed", "orders", "m2", None),
+        (6, "dispatched", "orders", "m2", "conn-c1/c1"),
+        (7, "received", "orders", "m3", None),
+        (8, "routed", "orders", "m3", None),
+    ]
+    # the next batch goes on after the records the folded ones stood for
+    accept(b, a, Entry(b"m4"), b"m4")
+    assert records(w)[0][0] == 9
+
+
+def test_a_held_received_record_is_recorded_before_any_other_event() -> None:
+    w = delivery_log()
+    e1, e2 = Entry(b"e1"), Entry(b"e2")
+    w.held, w.held_queue = e1, "q"
+    w.event(dl.EXPIRED, "q", e2)  # another message's event: e1's comes first
+    w.held = e1
+    w.event(dl.SETTLED, "q", e1, None, dl.ACCEPTED)  # its own, not a dispatch
+    w.held = e2
+    w.marker(dl.UNBOUND, "n/q", "g")
+    assert [(r[1], r[3]) for r in records(w)] == [
+        ("received", "e1"),
+        ("routed", "e1"),
+        ("expired", "e2"),
+        ("received", "e1"),
+        ("routed", "e1"),
+        ("settled", "e1"),
+        ("received", "e2"),
+        ("routed", "e2"),
+        ("unbound", None),
+    ]
+    assert w.held is None
+
+
+def test_a_queue_not_named_as_its_address_is_not_folded() -> None:
+    b = make_broker()
+    w = b.dlog = delivery_log()
+    a = b.create_address("news", MULTICAST)
+    b.create_queue("sub1", "news", MULTICAST, durable=False)
+    accept(b, a, Entry(b"n1"), b"n1")
+    assert [r[1] for r in w._buf] == [dl.RECEIVED, dl.ROUTED]
+    assert [(r[1], r[2]) for r in records(w)] == [("received", "news"), ("routed", "sub1")]
 
 
 def test_transactional_send_gets_a_deleted_queue_back_or_not_found() -> None:

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import trio
 
+from amqbroker.core.delivery_log import ROUTED
+from amqbroker.store.delivery_log import Batch as LogBatch
 from amqbroker.store.writer import DeliveryLogLoop, StoreWriter
 
 
@@ -115,15 +117,15 @@ class FakeDeliveryLog:
         self.take_at = 10
         self.dropped = 0
         self.directory = Path("/nowhere/delivery-log")
-        self.buf = [("r",)] * 4
+        self.buf = LogBatch([(0.0, ROUTED)] * 4)  # type: ignore[list-item]
         self.closed = False
 
     @property
     def pending(self) -> int:
         return len(self.buf)
 
-    def take_batch(self) -> list[Any] | None:
-        batch, self.buf = self.buf, []
+    def take_batch(self) -> LogBatch | None:
+        batch, self.buf = self.buf, LogBatch()
         return batch or None
 
     def write_batch(self, batch: list[Any]) -> None:

@@ -55,24 +55,22 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Callable
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from amqbroker.core.delivery_log import (
     DISPATCHED,
     FOLDED,
-    RECEIVED,
     RECEIVED_DISPATCHED,
     RECEIVED_ROUTED,
-    ROUTED,
     STARTED,
     BlockedProducer,
 )
 from amqbroker.pipeline import delivery_log_format as fmt
+from amqbroker.store.delivery_log_batch import FIELDS, Batch, Row, arange
+from amqbroker.store.delivery_log_worker import ChildWriter
 
 if TYPE_CHECKING:
     from amqbroker.core.consumer import Consumer
@@ -87,71 +85,6 @@ _INT32_MAX = (1 << 31) - 1
 #: Parquet columns written with a dictionary, and with statistics
 _DICTIONARY_COLUMNS = ["node", "event", "queue", "producer", "consumer", "outcome"]
 _STATISTICS_COLUMNS = ["seq", "ts_us"]
-
-#: one buffered event: time (epoch s), event code, queue, message-id, producer,
-#: group id, group seq, consumer, outcome, delivery count, producer identity (markers: group
-#: seq and delivery count None); its seq is implicit (`Batch`)
-Row = tuple[
-    float,
-    int,
-    str | None,
-    str | None,
-    str | None,
-    str | None,
-    int | None,
-    str | None,
-    str | None,
-    int | None,
-    str | None,
-]
-
-
-class Batch(list[Row]):
-    """The records taken from the buffer; their seqs are implicit: `first_seq` for
-    the first, one more for each record the previous one stands for (a folded one,
-    `amqbroker.core.delivery_log.FOLDED`, stands for two or three), except the rows in
-    `explicit` ((index, seq): markers buffered after records were dropped for a full
-    buffer)."""
-
-    first_seq = 1
-    explicit: list[tuple[int, int]] = []
-
-    def records(self) -> int:
-        """How many records the batch stands for (folded ones count two or three)."""
-        return sum(r[1] - FOLDED + 2 if r[1] >= FOLDED else 1 for r in self)
-
-    def expand(self) -> tuple[list[Row], list[int]]:
-        """The records to write and their seqs: each folded record becomes the
-        ``received``, ``routed`` (and ``dispatched``) records it stands for, with its
-        time, in consecutive seqs."""
-        q = self.first_seq
-        if not any(r[1] >= FOLDED for r in self):
-            seqs = list(range(q, q + len(self)))
-            for i, x in self.explicit:
-                seqs[i] = x
-            return self, seqs
-        explicit = dict(self.explicit)
-        rows: list[Row] = []
-        out: list[int] = []
-        add, add_seq = rows.append, out.append
-        for i, r in enumerate(self):
-            ev = r[1]
-            if ev < FOLDED:
-                add(r)
-                add_seq(explicit.get(i, q))
-                q += 1
-                continue
-            t, _, queue, mid, producer, gid, gseq, consumer, _, dc, ident = r
-            add((t, RECEIVED, queue, mid, producer, gid, gseq, None, None, dc, ident))
-            add((t, ROUTED, queue, mid, producer, gid, gseq, None, None, dc, ident))
-            add_seq(q)
-            add_seq(q + 1)
-            q += 2
-            if ev == RECEIVED_DISPATCHED:
-                add((t, DISPATCHED, queue, mid, producer, gid, gseq, consumer, None, dc, ident))
-                add_seq(q)
-                q += 1
-        return rows, out
 
 
 def pyarrow_available() -> bool:
@@ -188,8 +121,10 @@ class DeliveryLogWriter:
         self.limit = buffer_records
         self.take_at = max(1, buffer_records // 4)
         self.drop = overflow == "drop"
-        #: records kept before dropping (no bound under "block": producers wait)
-        self._cap = buffer_records if self.drop else sys.maxsize
+        #: buffer length (values, `FIELDS` per record) at which the writer is woken
+        self._take_len = self.take_at * FIELDS
+        #: buffer length kept before dropping (no bound under "block": producers wait)
+        self._cap = buffer_records * FIELDS if self.drop else sys.maxsize
         self._clock = clock
         self._mid = message_id
         #: woken at a quarter full (the writer loop, `store.writer.DeliveryLogLoop`,
@@ -252,9 +187,7 @@ class DeliveryLogWriter:
         self._first = max(last + 1, seq_floor)
         # the boot marker: the audit tells a restarted node's producers (connection ids
         # start again at c1) from those of its previous life
-        self._buf.append(
-            (self._clock(), STARTED, None, None, None, None, None, None, None, None, None)
-        )
+        self._buf += (self._clock(), STARTED, None, None, None, None, None, None, None, None, None)
         if self._use_child:
             self._child = ChildWriter(self)
 
@@ -344,27 +277,23 @@ class DeliveryLogWriter:
         tr = entry.trace
         if tr is None:
             tr = entry.trace = (self._mid(entry.data), None, None)
-        # only atomic values (not the trace tuple itself): the garbage collector stops
-        # tracking such tuples at their first collection, so a full buffer does not
-        # make collections slower or more frequent
-        buf.append(
-            (
-                self._clock(),
-                event,
-                queue,
-                tr[0],
-                tr[1],
-                entry.group_id,
-                entry.group_seq,
-                None if consumer is None else consumer.log_id,
-                outcome,
-                entry.delivery_count,
-                tr[2],
-            )
+        # flat (`Batch`): the tuple is freed at once
+        buf += (
+            self._clock(),
+            event,
+            queue,
+            tr[0],
+            tr[1],
+            entry.group_id,
+            entry.group_seq,
+            None if consumer is None else consumer.log_id,
+            outcome,
+            entry.delivery_count,
+            tr[2],
         )
         if event >= FOLDED:
             self._extra += event - FOLDED + 1
-        if n == self.take_at and self.wake is not None:
+        if n == self._take_len and self.wake is not None:
             self.wake()
 
     def _record_held(self) -> None:
@@ -379,15 +308,14 @@ class DeliveryLogWriter:
         self._record_held()
         buf = self._buf
         if self._gap:
-            self._explicit.append((len(buf), self._first + len(buf) + self._extra + self._gap))
-        buf.append(
-            (self._clock(), event, queue, None, None, group_id, None, None, reason, None, None)
-        )
+            n = buf.n_rows
+            self._explicit.append((n, self._first + n + self._extra + self._gap))
+        buf += (self._clock(), event, queue, None, None, group_id, None, None, reason, None, None)
 
     @property
     def _seq(self) -> int:
         """The last seq given (records buffered, dropped, taken)."""
-        return self._first + len(self._buf) + self._extra + self._gap - 1
+        return self._first + self._buf.n_rows + self._extra + self._gap - 1
 
     def set_owner_epoch(self, epoch: int) -> None:
         """Records from the next event on carry this owner epoch (the cluster calls
@@ -409,11 +337,11 @@ class DeliveryLogWriter:
     @property
     def full(self) -> bool:
         """Producers must wait (overflow "block" only: "drop" never holds credit)."""
-        return len(self._buf) >= self.limit and not self.drop
+        return len(self._buf) >= self.limit * FIELDS and not self.drop
 
     @property
     def pending(self) -> int:
-        return len(self._buf)
+        return self._buf.n_rows
 
     def block(self, producer: BlockedProducer) -> None:
         self._blocked.add(producer)
@@ -435,7 +363,7 @@ class DeliveryLogWriter:
             buf.explicit = self._explicit
             self._explicit = []
             self._buf = Batch()
-        self._first += len(buf) + self._extra + self._gap
+        self._first += buf.n_rows + self._extra + self._gap
         self._gap = self._extra = 0
         if self._blocked:
             blocked = list(self._blocked)
@@ -450,7 +378,7 @@ class DeliveryLogWriter:
             "format": self.format,
             "seq": self._seq,
             "written": self.written,
-            "pending": len(self._buf),
+            "pending": self._buf.n_rows,
             "dropped": self.dropped,
             "blocked_producers": len(self._blocked),
             "files": len(self._closed)
@@ -459,37 +387,43 @@ class DeliveryLogWriter:
         }
 
     # ------------------------------------------------------- thread side
-    def write_batch(self, batch: list[Row]) -> None:
-        # a plain list: an empty one, or rows numbered from 1 (tests)
-        """Append a batch to the current file (worker thread); rotate and bound.
+    def write_batch(self, batch: Batch | list[Row]) -> None:
+        """Append a batch to the current file (worker thread); rotate and bound. A
+        plain list of `Row` tuples (tests: an empty one, or rows numbered from 1) is
+        taken too.
 
         The batch is written in chunks sized from the bytes per record seen so far
         (about an eighth of `rotate_bytes` each), so a file passes `rotate_bytes` by
         at most one chunk whatever the batch size."""
         if not isinstance(batch, Batch):
-            batch = Batch(batch)
+            batch = Batch(v for r in batch for v in r)
         if self._use_child:
             self._write_child(batch)
             return
-        rows, seqs = batch.expand()
+        if self.format == "parquet":
+            table = self._table(batch)
+            n = table.num_rows
+            seq_col = table.column("seq")
+        else:
+            rows, seqs = batch.expand()
+            n = len(rows)
         i = 0
-        n = len(rows)
         while i < n:
-            chunk = rows[i : i + self._chunk]
-            chunk_seqs = seqs[i : i + self._chunk]
-            i += len(chunk)
+            k = min(self._chunk, n - i)
+            first = seq_col[i].as_py() if self.format == "parquet" else seqs[i]
             if self._cur is None:
-                self._start(chunk_seqs[0])
+                self._start(first)
             f = self._cur_file
             before = f.tell()
             if self.format == "parquet":
-                self._cur_writer.write_table(self._table(chunk, chunk_seqs))
+                self._cur_writer.write_table(table.slice(i, k))
             else:
-                f.write(self._lines(chunk, chunk_seqs))
+                f.write(self._lines(rows[i : i + k], seqs[i : i + k]))
                 f.flush()
-            self.written += len(chunk)
+            i += k
+            self.written += k
             size = f.tell()
-            per_record = max(1, (size - before) // len(chunk))
+            per_record = max(1, (size - before) // k)
             self._chunk = max(16, self.rotate_bytes // (8 * per_record))
             if size >= self.rotate_bytes:
                 self._finish()
@@ -649,31 +583,30 @@ class DeliveryLogWriter:
                 p.unlink()
             total -= n
 
-    def _table(self, batch: list[Row], seqs: list[int]) -> Any:
-        """The batch as an Arrow table: transposed with zip (C speed), converted and
-        computed column-wise by pyarrow."""
+    def _table(self, batch: Batch) -> Any:
+        """The batch as one Arrow table, folded records expanded: the columns are
+        sliced from the flat batch and converted once per buffered record (C speed),
+        then repeated per record each stands for with `take`; only the event and
+        consumer of the copies differ (received, routed: no consumer; dispatched)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        # one pass per column (zip(*batch) would allocate an iterator per row)
         ts, ev, queues, mids, producers, gids, gseqs, cons, outcomes, dcs, idents = (
-            list(map(itemgetter(k), batch)) for k in range(11)
+            batch[k::FIELDS] for k in range(FIELDS)
         )
-        n = len(batch)
         gid = pa.array(gids, type=pa.string())
         gseq = pa.array(gseqs, type=pa.int64())
         # a spent group close (outside int32) reads as -1; ungrouped as null
         gseq = pc.if_else(pc.or_(pc.less(gseq, _INT32_MIN), pc.greater(gseq, _INT32_MAX)), -1, gseq)
         gseq = pc.if_else(pc.is_null(gid), pa.scalar(None, pa.int64()), gseq)
+        events = pa.array(ev, type=pa.int8())
         cols = {
-            "node": pa.repeat(pa.scalar(self.node, pa.string()), n),
-            "seq": pa.array(seqs, type=pa.int64()),
             "ts_us": pc.cast(
                 pc.multiply(pa.array(ts, type=pa.float64()), 1_000_000.0),
                 pa.int64(),
                 safe=False,
             ),
-            "event": pc.take(self._events, pa.array(ev, type=pa.int8())),
+            "event": events,
             "queue": pa.array(queues, type=pa.string()),
             "message_id": pa.array(mids, type=pa.string()),
             "group_id": gid,
@@ -681,10 +614,48 @@ class DeliveryLogWriter:
             "producer": pa.array(producers, type=pa.string()),
             "consumer": pa.array(cons, type=pa.string()),
             "outcome": pa.array(outcomes, type=pa.string()),
-            "owner_epoch": pa.array(self._epochs_of(seqs), type=pa.int64()),
             "delivery_count": pa.array(dcs, type=pa.int32()),
             "producer_identity": pa.array(idents, type=pa.string()),
         }
+        n = len(events)
+        folded = pc.greater_equal(events, FOLDED)
+        if pc.any(folded).as_py():
+            # offsets of each buffered record's first expanded one; idx: the buffered
+            # record of each expanded one; pos: its place among its copies
+            width = pc.if_else(folded, pc.subtract(events.cast(pa.int32()), FOLDED - 2), 1)
+            offsets = pa.concat_arrays(
+                [pa.array([0], pa.int32()), pc.cumulative_sum(width.cast(pa.int32()))]
+            )
+            n = offsets[-1].as_py()
+            idx = pc.list_parent_indices(pa.ListArray.from_arrays(offsets, pa.nulls(n)))
+            cols = {k: pc.take(v, idx) for k, v in cols.items()}
+            pos = pc.subtract(arange(n), pc.take(offsets, idx)).cast(pa.int8())
+            copy = pc.take(folded, idx)
+            # received 0, routed 1, dispatched 3 (forwarded, 2, is never folded)
+            code = pc.if_else(pc.equal(pos, 2), pa.scalar(DISPATCHED, pa.int8()), pos)
+            cols["event"] = pc.if_else(copy, code, cols["event"])
+            cols["consumer"] = pc.if_else(
+                pc.and_(copy, pc.less(pos, 2)), pa.scalar(None, pa.string()), cols["consumer"]
+            )
+            starts = offsets.to_pylist() if batch.explicit else []
+        else:
+            starts = list(range(n + 1)) if batch.explicit else []
+        seq = pc.add(arange(n), batch.first_seq)
+        if batch.explicit:  # markers after dropped records (rare)
+            seqs = seq.to_pylist()
+            for i, x in batch.explicit:
+                seqs[starts[i]] = x
+            seq = pa.array(seqs, type=pa.int64())
+        marks = list(self._epochs)
+        epochs = (
+            pa.repeat(pa.scalar(marks[0][1], pa.int64()), n)
+            if len(marks) == 1
+            else pa.array(self._epochs_of(seq.to_pylist()), type=pa.int64())
+        )
+        cols["event"] = pc.take(self._events, cols["event"])
+        cols["node"] = pa.repeat(pa.scalar(self.node, pa.string()), n)
+        cols["seq"] = seq
+        cols["owner_epoch"] = epochs
         return pa.Table.from_arrays([cols[f] for f in fmt.FIELD_NAMES], schema=self._schema)
 
     def _lines(self, batch: list[Row], seqs: list[int]) -> str:
@@ -721,91 +692,6 @@ class DeliveryLogWriter:
             )
         out.append("")
         return "\n".join(out)
-
-
-class ChildWriter:
-    """The parent's end of `amqbroker.store.delivery_log_worker`: one request at a
-    time, from the writer's worker thread (the reads and writes release the GIL)."""
-
-    def __init__(self, w: DeliveryLogWriter) -> None:
-        from amqbroker.store import delivery_log_worker as worker
-
-        self._w = w
-        self._worker = worker
-        self.file_open = False
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "amqbroker.store.delivery_log_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-        )
-        self.pid = self._proc.pid
-        # the reply is read with the first request (the child imports pyarrow meanwhile)
-        self._init_pending = True
-        worker.write_frame(
-            self._stdin,
-            ("init", str(w.root), w.node, w.format, w.rotate_bytes, w.max_bytes),
-        )
-
-    @property
-    def _stdin(self) -> Any:
-        return self._proc.stdin
-
-    @property
-    def _stdout(self) -> Any:
-        return self._proc.stdout
-
-    @property
-    def alive(self) -> bool:
-        return self._proc.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
-
-    def _reply(self) -> None:
-        msg = self._worker.read_frame(self._stdout)
-        written, closed, self.file_open = msg[-1]
-        w = self._w
-        w.written = self._written0 + written
-        w._closed = [(Path(p), n) for p, n in closed]
-        if msg[0] != "ok":
-            raise OSError(msg[1])
-
-    def _request(self, obj: Any) -> None:
-        if self._init_pending:
-            self._init_pending = False
-            self._written0 = self._w.written
-            self._reply()
-        self._worker.write_frame(self._stdin, obj)
-        self._reply()
-
-    def write(self, epochs: list[tuple[int, int]], batch: Batch) -> None:
-        # a value marshal refuses raises ValueError before anything is sent (marshal
-        # takes exact lists only: the rows are copied, references only)
-        self._request(("write", epochs, batch.first_seq, batch.explicit, list(batch)))
-
-    def close(self) -> None:
-        """Publish the current file and stop the child."""
-        try:
-            self._request(("close",))
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        """Close the pipes (the child publishes its file and exits at the end of its
-        input); killed when it does not exit within the writer's `child_exit_timeout`
-        seconds."""
-        p = self._proc
-        for f in (p.stdin, p.stdout):
-            with contextlib.suppress(OSError):
-                if f is not None:
-                    f.close()
-        try:
-            p.wait(timeout=self._w.child_exit_timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _last_seq(p: Path) -> int:

@@ -14,7 +14,7 @@ thread, its buffer fills, and the overflow policy applies as before).
 
 * ``("init", root, node, format, rotate_bytes, max_bytes)`` -> ``("ok", state)``:
   repairs what a dead child left (``.inprogress``), lists the closed files.
-* ``("write", epochs, first seq, explicit seqs, rows)`` (a `Batch`) ->
+* ``("write", epochs, first seq, explicit seqs, values)`` (a `Batch`: flat) ->
   ``("ok", state)`` or ``("error", text, state)`` (after an error the current file
   is abandoned as in-process: published when it still closes cleanly, else
   deleted).
@@ -36,9 +36,14 @@ import marshal
 import os
 import signal
 import struct
+import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from amqbroker.store.delivery_log import DeliveryLogWriter
+    from amqbroker.store.delivery_log_batch import Batch
 
 _LEN = struct.Struct("<I")
 #: the child's scheduling niceness, added to the broker's (lower priority)
@@ -64,7 +69,8 @@ def write_frame(f: IO[bytes], obj: Any) -> None:
 
 
 def main() -> int:
-    from amqbroker.store.delivery_log import Batch, DeliveryLogWriter
+    from amqbroker.store.delivery_log import DeliveryLogWriter
+    from amqbroker.store.delivery_log_batch import Batch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -132,6 +138,88 @@ def main() -> int:
     if w is not None and w._cur is not None:
         w.close()
     return 0
+
+
+class ChildWriter:
+    """The parent's end of `amqbroker.store.delivery_log_worker`: one request at a
+    time, from the writer's worker thread (the reads and writes release the GIL)."""
+
+    def __init__(self, w: DeliveryLogWriter) -> None:
+        self._w = w
+        self.file_open = False
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "amqbroker.store.delivery_log_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+        )
+        self.pid = self._proc.pid
+        # the reply is read with the first request (the child imports pyarrow meanwhile)
+        self._init_pending = True
+        write_frame(
+            self._stdin,
+            ("init", str(w.root), w.node, w.format, w.rotate_bytes, w.max_bytes),
+        )
+
+    @property
+    def _stdin(self) -> Any:
+        return self._proc.stdin
+
+    @property
+    def _stdout(self) -> Any:
+        return self._proc.stdout
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def _reply(self) -> None:
+        msg = read_frame(self._stdout)
+        written, closed, self.file_open = msg[-1]
+        w = self._w
+        w.written = self._written0 + written
+        w._closed = [(Path(p), n) for p, n in closed]
+        if msg[0] != "ok":
+            raise OSError(msg[1])
+
+    def _request(self, obj: Any) -> None:
+        if self._init_pending:
+            self._init_pending = False
+            self._written0 = self._w.written
+            self._reply()
+        write_frame(self._stdin, obj)
+        self._reply()
+
+    def write(self, epochs: list[tuple[int, int]], batch: Batch) -> None:
+        # a value marshal refuses raises ValueError before anything is sent (marshal
+        # takes exact lists only: the rows are copied, references only)
+        self._request(("write", epochs, batch.first_seq, batch.explicit, list(batch)))
+
+    def close(self) -> None:
+        """Publish the current file and stop the child."""
+        try:
+            self._request(("close",))
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Close the pipes (the child publishes its file and exits at the end of its
+        input); killed when it does not exit within the writer's `child_exit_timeout`
+        seconds."""
+        p = self._proc
+        for f in (p.stdin, p.stdout):
+            with contextlib.suppress(OSError):
+                if f is not None:
+                    f.close()
+        try:
+            p.wait(timeout=self._w.child_exit_timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 if __name__ == "__main__":

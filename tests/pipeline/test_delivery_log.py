@@ -348,7 +348,7 @@ def test_drop_overflow_counts_and_leaves_a_gap(tmp_path: Path) -> None:
     assert w.pending == 100 and not w.full  # "drop" never holds producer credit
     assert w.dropped == 50
     batch = w.take_batch()
-    assert batch is not None and len(batch) == 100
+    assert batch is not None and batch.n_rows == 100
     w.write_batch(batch)
     w.event(dl.ROUTED, "q", Entry(b"late"))
     w.write_batch(w.take_batch() or [])
@@ -368,7 +368,7 @@ def test_block_overflow_keeps_everything_and_resumes_producers(tmp_path: Path) -
     w.block(p)
     batch = w.take_batch()
     assert p.resumed == 1 and not w.full
-    assert batch is not None and len(batch) == 120
+    assert batch is not None and batch.n_rows == 120
     w.close()
 
 
@@ -465,7 +465,7 @@ def test_seq_is_implicit_but_exact_around_drops_and_markers(
     assert w.statistics()["seq"] == 104
     w.set_owner_epoch(5)  # from 105 on
     batch = w.take_batch()
-    assert batch is not None and len(batch) == 102
+    assert batch is not None and batch.n_rows == 102
     w.event(dl.ROUTED, "q", Entry(b"next"))  # 105
     w.write_batch(batch)
     w.write_batch(w.take_batch() or [])
@@ -504,7 +504,7 @@ def test_folded_records_take_the_seqs_of_the_records_they_stand_for(
     assert w.statistics()["seq"] == 107
     assert w.dropped == 3
     batch = w.take_batch()
-    assert batch is not None and len(batch) == 101 and batch.records() == 104
+    assert batch is not None and batch.n_rows == 101 and batch.records() == 104
     w.event(dl.RECEIVED_ROUTED, "q", Entry(b"c"))  # 108-109
     w.write_batch(batch)
     w.write_batch(w.take_batch() or [])

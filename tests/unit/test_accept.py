@@ -24,7 +24,7 @@ from amqbroker.core.codec import PlainCodec
 from amqbroker.core.entry import Entry
 from amqbroker.core.errors import BrokerError, NotFound, ResourceLimitExceeded
 from amqbroker.pipeline import delivery_log_format as fmt
-from amqbroker.store.delivery_log import DeliveryLogWriter
+from amqbroker.store.delivery_log import FIELDS, DeliveryLogWriter
 from tests.unit.core_harness import FakeConsumer
 
 T0 = 1_700_000_000.0
@@ -159,7 +159,7 @@ def test_an_arrival_taken_at_once_is_one_buffered_record_standing_for_its_three(
     q.credit_changed(c)  # m1 goes out: dispatched, its own record
     accept(b, a, Entry(b"m2"), b"m2")  # out at once: one record for three
     accept(b, a, Entry(b"m3"), b"m3")  # no credit left: received + routed
-    assert [r[1] for r in w._buf] == [
+    assert w._buf[1::FIELDS] == [
         dl.RECEIVED_ROUTED,
         dl.DISPATCHED,
         dl.RECEIVED_DISPATCHED,
@@ -210,7 +210,7 @@ def test_a_queue_not_named_as_its_address_is_not_folded() -> None:
     a = b.create_address("news", MULTICAST)
     b.create_queue("sub1", "news", MULTICAST, durable=False)
     accept(b, a, Entry(b"n1"), b"n1")
-    assert [r[1] for r in w._buf] == [dl.RECEIVED, dl.ROUTED]
+    assert w._buf[1::FIELDS] == [dl.RECEIVED, dl.ROUTED]
     assert [(r[1], r[2]) for r in records(w)] == [("received", "news"), ("routed", "sub1")]
 
 

@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from amqbroker.core.delivery_log import ROUTED
+from amqbroker.store.delivery_log import FIELDS
 from amqbroker.store.delivery_log import Batch as LogBatch
 from amqbroker.store.writer import DeliveryLogLoop, StoreWriter
 
@@ -117,7 +118,7 @@ class FakeDeliveryLog:
         self.take_at = 10
         self.dropped = 0
         self.directory = Path("/nowhere/delivery-log")
-        self.buf = LogBatch([(0.0, ROUTED)] * 4)  # type: ignore[list-item]
+        self.buf = LogBatch([0.0, ROUTED, *[None] * (FIELDS - 2)] * 4)
         self.closed = False
 
     @property

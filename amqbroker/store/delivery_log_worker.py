@@ -63,8 +63,13 @@ def read_frame(f: IO[bytes]) -> Any:
 
 
 def write_frame(f: IO[bytes], obj: Any) -> None:
-    data = marshal.dumps(obj)
-    f.write(_LEN.pack(len(data)) + data)
+    write_bytes(f, marshal.dumps(obj))
+
+
+def write_bytes(f: IO[bytes], data: bytes) -> None:
+    """One frame of an already serialised payload."""
+    f.write(_LEN.pack(len(data)))
+    f.write(data)
     f.flush()
 
 
@@ -186,23 +191,26 @@ class ChildWriter:
         if msg[0] != "ok":
             raise OSError(msg[1])
 
-    def _request(self, obj: Any) -> None:
+    def _request(self, data: bytes) -> None:
         if self._init_pending:
             self._init_pending = False
             self._written0 = self._w.written
             self._reply()
-        write_frame(self._stdin, obj)
+        write_bytes(self._stdin, data)
         self._reply()
 
     def write(self, epochs: list[tuple[int, int]], batch: Batch) -> None:
         # a value marshal refuses raises ValueError before anything is sent (marshal
-        # takes exact lists only: the rows are copied, references only)
-        self._request(("write", epochs, batch.first_seq, batch.explicit, list(batch)))
+        # takes exact lists only: the values are copied, references only); serialised
+        # before the pipe write, so that the copy (a young list as long as the batch,
+        # which every collection of the broker's would walk) is freed meanwhile
+        data = marshal.dumps(("write", epochs, batch.first_seq, batch.explicit, list(batch)))
+        self._request(data)
 
     def close(self) -> None:
         """Publish the current file and stop the child."""
         try:
-            self._request(("close",))
+            self._request(marshal.dumps(("close",)))
         finally:
             self.kill()
 

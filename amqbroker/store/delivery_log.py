@@ -5,15 +5,18 @@ Theory of operation
 -------------------
 Two sides, like the journal's group commit:
 
-* event loop (`event`, `take_batch`): each event appends one tuple to an in-memory
-  buffer: the clock, the event code and the entry's fields read at that moment
-  (references, no formatting; only atomic values). The sequence
-  number is implicit (`Batch`: the first record's, plus the few markers buffered
-  after dropped records). When the buffer reaches a quarter of
-  `buffer_records` the writer loop (`store.writer`) is woken (`wake`); it also takes the buffer
-  every `flush_interval`.
-* worker thread (`write_batch`, `close`): turns a batch into columns (C-speed
-  transposition, pyarrow arrays) and appends them to the current file as one Parquet
+* event loop (`event`, `take_batch`): each event appends one record to an in-memory
+  buffer, flat (`Batch`: `FIELDS` values per record, no tuple kept): the clock, the
+  event code and the entry's fields read at that moment (references, no formatting;
+  only atomic values); the common arrival is one folded record
+  (`amqbroker.core.delivery_log.FOLDED`, held by `held`). The sequence number is
+  implicit (`Batch`: the first record's, plus the records each folded one stands
+  for, plus the few markers buffered after dropped records). When the buffer reaches
+  a quarter of `buffer_records` the writer loop (`store.writer`) is woken (`wake`); it
+  also takes the buffer every `flush_interval`.
+* worker thread (`write_batch`, `close`): turns a batch into columns (slices of the
+  flat batch, pyarrow arrays, folded records expanded with `take`; JSON lines: rows
+  expanded in Python) and appends them to the current file as one Parquet
   row group (or JSON lines); rotates at `rotate_bytes`; deletes the oldest closed
   files beyond `max_bytes`. One batch at a time; only this side touches files.
   With Parquet (issue 22) that work runs in a child process

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from amqbroker.core.accept import accept
 from amqbroker.core.address import ANYCAST, MULTICAST
 from amqbroker.core.address_settings import AddressSettings, AddressSettingsRepository
+from amqbroker.core.delivery_log import RECEIVED, RECEIVED_ROUTED, ROUTED
 from amqbroker.core.entry import Entry
 from amqbroker.core.queue import Queue
 from amqbroker.core.queue_records import restore_queue
 from amqbroker.core.timers import Timers
+from amqbroker.store.delivery_log import FIELDS, DeliveryLogWriter
 from amqbroker.store.journal import Journal
 from amqbroker.store.paging import PageStore, decode_page_record, encode_page_record
 from tests.unit.core_harness import FakeClock, FakeConsumer, RecordingBroker, label
@@ -431,3 +434,34 @@ def test_a_record_larger_than_the_read_ahead_is_read_whole(
     q.add_consumer(c)
     rig.drain(q, [c])
     assert tags(c) == [f"big{i}" for i in range(5)]
+
+
+def test_the_delivery_log_of_a_paged_arrival_is_its_received_record_alone(
+    tmp_path: Path,
+) -> None:
+    """`accept` folds received + routed into one buffered record only for a message
+    that stays in memory: a paged-out arrival keeps its own received record and, as
+    before folding, no routed one."""
+    rig = Rig(tmp_path)
+    w = DeliveryLogWriter(
+        tmp_path / "log", file_format="jsonl", clock=rig.clock, message_id=lambda d: d[:3].decode()
+    )
+    rig.broker.dlog = w
+    q = rig.queue()
+    assert q.dlog is w
+    for i in range(22):
+        e = msg(f"m{i:02d}")
+        accept(rig.broker, q.address, e, e.data)  # type: ignore[arg-type]
+    assert q.paged_count == 2
+    batch = w.take_batch()
+    assert batch is not None
+    assert batch[1::FIELDS] == [RECEIVED_ROUTED] * 20 + [RECEIVED] * 2
+    rows, seqs = batch.expand()
+    assert [(r[1], r[3]) for r in rows[-4:]] == [
+        (RECEIVED, "m19"),
+        (ROUTED, "m19"),
+        (RECEIVED, "m20"),
+        (RECEIVED, "m21"),
+    ]
+    assert seqs == list(range(1, 43))
+    rig.close()

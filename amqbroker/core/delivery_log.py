@@ -76,11 +76,17 @@ UNBOUND = 9
 LATE = 10
 #: buffered only, never written (see the module docstring): one record for received +
 #: routed, and one for received + routed + dispatched, of a message taken by the
-#: queue named as its address; the number of records each stands for is
-#: ``code - FOLDED + 2``
+#: queue named as its address (`records_of`)
 FOLDED = 64
 RECEIVED_ROUTED = FOLDED
 RECEIVED_DISPATCHED = FOLDED + 1
+
+
+def records_of(code: int) -> int:
+    """How many written records a buffered record of event `code` stands for (a
+    folded one: two or three; the writer's Arrow expansion computes the same column-wise)."""
+    return code - FOLDED + 2 if code >= FOLDED else 1
+
 
 #: why the arbiter released a binding (the ``outcome`` column of an ``unbound`` marker)
 UNBIND_NODE_LOST = "node-lost"  # its node was lost, policy move

@@ -70,6 +70,7 @@ from amqbroker.core.delivery_log import (
     RECEIVED_ROUTED,
     STARTED,
     BlockedProducer,
+    records_of,
 )
 from amqbroker.pipeline import delivery_log_format as fmt
 from amqbroker.store.delivery_log_batch import FIELDS, Batch, Row, arange
@@ -126,6 +127,8 @@ class DeliveryLogWriter:
         self.drop = overflow == "drop"
         #: buffer length (values, `FIELDS` per record) at which the writer is woken
         self._take_len = self.take_at * FIELDS
+        #: buffer length at which producers wait (overflow "block")
+        self._full_len = buffer_records * FIELDS
         #: buffer length kept before dropping (no bound under "block": producers wait)
         self._cap = buffer_records * FIELDS if self.drop else sys.maxsize
         self._clock = clock
@@ -264,7 +267,7 @@ class DeliveryLogWriter:
         buf = self._buf
         n = len(buf)
         if n >= self._cap:
-            width = event - FOLDED + 2 if event >= FOLDED else 1
+            width = records_of(event)
             self._gap += width
             self.dropped += width
             self._dropping += 1
@@ -295,7 +298,7 @@ class DeliveryLogWriter:
             tr[2],
         )
         if event >= FOLDED:
-            self._extra += event - FOLDED + 1
+            self._extra += records_of(event) - 1
         if n == self._take_len and self.wake is not None:
             self.wake()
 
@@ -340,7 +343,7 @@ class DeliveryLogWriter:
     @property
     def full(self) -> bool:
         """Producers must wait (overflow "block" only: "drop" never holds credit)."""
-        return len(self._buf) >= self.limit * FIELDS and not self.drop
+        return len(self._buf) >= self._full_len and not self.drop
 
     @property
     def pending(self) -> int:
@@ -624,7 +627,8 @@ class DeliveryLogWriter:
         folded = pc.greater_equal(events, FOLDED)
         if pc.any(folded).as_py():
             # offsets of each buffered record's first expanded one; idx: the buffered
-            # record of each expanded one; pos: its place among its copies
+            # record of each expanded one; pos: its place among its copies; width:
+            # `records_of`, column-wise
             width = pc.if_else(folded, pc.subtract(events.cast(pa.int32()), FOLDED - 2), 1)
             offsets = pa.concat_arrays(
                 [pa.array([0], pa.int32()), pc.cumulative_sum(width.cast(pa.int32()))]

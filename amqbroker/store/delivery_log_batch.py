@@ -13,6 +13,7 @@ from amqbroker.core.delivery_log import (
     RECEIVED,
     RECEIVED_DISPATCHED,
     ROUTED,
+    records_of,
 )
 
 __all__ = ["FIELDS", "Batch", "Row", "arange"]
@@ -64,18 +65,13 @@ class Batch(list[Any]):
 
     def records(self) -> int:
         """How many records the batch stands for (folded ones count two or three)."""
-        return sum(ev - FOLDED + 2 if ev >= FOLDED else 1 for ev in self[1::FIELDS])
+        return sum(map(records_of, self[1::FIELDS]))
 
     def expand(self) -> tuple[list[Row], list[int]]:
         """The records to write and their seqs: each folded record becomes the
         ``received``, ``routed`` (and ``dispatched``) records it stands for, with its
         time, in consecutive seqs."""
         q = self.first_seq
-        if max(self[1::FIELDS], default=0) < FOLDED:
-            seqs = list(range(q, q + self.n_rows))
-            for i, x in self.explicit:
-                seqs[i] = x
-            return self.rows(), seqs
         explicit = dict(self.explicit)
         rows: list[Row] = []
         out: list[int] = []

@@ -372,13 +372,12 @@ class ZkWorker(Generic[V]):
                     await trio.to_thread.run_sync(
                         self._close_client, self._client, abandon_on_cancel=True
                     )
-                await self._join(None)
+                await self._join()
 
-    async def _join(self, bound: float | None) -> None:
-        """Wait for the worker thread to end, at most `bound` seconds (None: no bound
-        of its own)."""
+    async def _join(self, bound: float = math.inf) -> None:
+        """Wait for the worker thread to end, at most `bound` seconds."""
         assert self._thread is not None
-        with trio.move_on_after(math.inf if bound is None else bound):
+        with trio.move_on_after(bound):
             await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
 
     def _apply(self, view: V, gen: int) -> None:

@@ -4,7 +4,8 @@ peer link is a function; the three-process failover is tests/cluster/test_failov
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -108,13 +109,25 @@ def replicator(
     return r, fenced
 
 
-async def test_snapshot_then_each_decision_before_the_answer(autojump_clock: Any) -> None:
-    a = leader()
-    link = Link(lambda body: (200, "OK", True), delay=1.0)
+@asynccontextmanager
+async def running(
+    a: Arbiter, link: Link, *, eager: bool = False
+) -> AsyncIterator[tuple[trio.Nursery, Replicator, list[int]]]:
+    """`a` running with a replicator over `link` (`eager`: its snapshot task in the same
+    nursery, as node.py's spawn); the nursery, the replicator and the fenced epochs;
+    everything is cancelled when the block ends."""
     async with trio.open_nursery() as n:
         link.nursery = n
         n.start_soon(a.run)
-        r, _ = replicator(a, link)
+        r, fenced = replicator(a, link, nursery=n if eager else None)
+        yield n, r, fenced
+        n.cancel_scope.cancel()
+
+
+async def test_snapshot_then_each_decision_before_the_answer(autojump_clock: Any) -> None:
+    a = leader()
+    link = Link(lambda body: (200, "OK", True), delay=1.0)
+    async with running(a, link) as (_n, r, _):
         r.set_target("node2")
         t0 = trio.current_time()
         b, accepted = await a.propose("g.q", "node3", "q")
@@ -128,16 +141,12 @@ async def test_snapshot_then_each_decision_before_the_answer(autojump_clock: Any
         r.link_down("node2")
         await a.propose("i.q", "node1", "q")
         assert [x["key"] for x in link.sent[3]["snapshot"]] == ["g.q", "h.q"]
-        n.cancel_scope.cancel()
 
 
 async def test_backup_with_a_higher_epoch_fences_the_arbiter(autojump_clock: Any) -> None:
     a = leader(epoch=3)
     link = Link(lambda body: (409, "stale arbiter epoch", {"epoch": 4}))
-    async with trio.open_nursery() as n:
-        link.nursery = n
-        n.start_soon(a.run)
-        r, fenced = replicator(a, link)
+    async with running(a, link) as (n, r, fenced):
         r.set_target("node2")
         waiter_result: list[BaseException] = []
         second_done = trio.Event()
@@ -155,7 +164,6 @@ async def test_backup_with_a_higher_epoch_fences_the_arbiter(autojump_clock: Any
             await a.propose("g.q", "node3", "q")
         with trio.fail_after(5):
             await second_done.wait()
-        n.cancel_scope.cancel()
     assert fenced == [4]
     assert "g.q" not in a.bindings  # never answered, not bound
     assert len(waiter_result) == 1
@@ -164,10 +172,7 @@ async def test_backup_with_a_higher_epoch_fences_the_arbiter(autojump_clock: Any
 async def test_without_a_backup_zookeeper_must_confirm(autojump_clock: Any) -> None:
     a = leader()
     link = Link(lambda body: (200, "OK", True), up=False)
-    async with trio.open_nursery() as n:
-        link.nursery = n
-        n.start_soon(a.run)
-        r, fenced = replicator(a, link, confirmed=True)
+    async with running(a, link) as (n, r, fenced):
         r.set_target("node2")  # elected backup, link down
         _, accepted = await a.propose("g.q", "node1", "q")
         assert accepted and r.unreplicated == 1 and fenced == []
@@ -177,7 +182,6 @@ async def test_without_a_backup_zookeeper_must_confirm(autojump_clock: Any) -> N
         with pytest.raises(NotArbiter):
             await a2.propose("g.q", "node1", "q")  # no backup, ZooKeeper says: replaced
         assert fenced2 == [3]
-        n.cancel_scope.cancel()
 
 
 def ok(body: Any) -> tuple[int, str, Any]:
@@ -196,10 +200,7 @@ async def test_a_new_backup_receives_the_snapshot_without_a_new_decision(
     caplog.set_level(logging.INFO, logger="amqbroker.cluster")
     a = leader()
     link = Link(ok, delay=1.0)
-    async with trio.open_nursery() as n:
-        link.nursery = n
-        n.start_soon(a.run)
-        r, _ = replicator(a, link, nursery=n)
+    async with running(a, link, eager=True) as (_n, r, _):
         r.set_target("node2")
         await a.propose("g.q", "node3", "q")
         assert link.to == ["node2", "node2"] and "snapshot" in link.sent[0]
@@ -221,16 +222,12 @@ async def test_a_new_backup_receives_the_snapshot_without_a_new_decision(
         assert len(link.sent) == 5 and link.sent[4]["epoch"] == 4
         assert [x["key"] for x in link.sent[4]["decisions"]] == ["h.q"]
         assert in_sync_lines(caplog, "node4") == 2  # once per epoch: never twice
-        n.cancel_scope.cancel()
 
 
 async def test_the_snapshot_is_sent_again_when_the_link_is_back(autojump_clock: Any) -> None:
     a = leader()
     link = Link(ok, delay=1.0, up=False)
-    async with trio.open_nursery() as n:
-        link.nursery = n
-        n.start_soon(a.run)
-        r, _ = replicator(a, link, nursery=n)
+    async with running(a, link, eager=True) as (_n, r, _):
         await a.propose("g.q", "node3", "q")  # no backup yet: unreplicated
         r.set_target("node2")  # its link is down: nothing is sent, nothing retried
         await trio.sleep(1.0)
@@ -248,7 +245,6 @@ async def test_the_snapshot_is_sent_again_when_the_link_is_back(autojump_clock: 
         r.link_up("node2")  # in sync: nothing to send
         await trio.sleep(1.0)
         assert len(link.sent) == 2
-        n.cancel_scope.cancel()
 
 
 async def test_a_change_of_backup_mid_snapshot_sends_it_to_the_new_one(
@@ -257,10 +253,7 @@ async def test_a_change_of_backup_mid_snapshot_sends_it_to_the_new_one(
     caplog.set_level(logging.INFO, logger="amqbroker.cluster")
     a = leader()
     link = Link(ok, delay=1.0)
-    async with trio.open_nursery() as n:
-        link.nursery = n
-        n.start_soon(a.run)
-        r, _ = replicator(a, link, nursery=n)
+    async with running(a, link, eager=True) as (_n, r, _):
         await a.propose("g.q", "node3", "q")  # no backup yet: unreplicated
         r.set_target("node2")
         await link.until(lambda: len(link.sent) == 1)  # node2's answer comes in 1 s
@@ -276,7 +269,6 @@ async def test_a_change_of_backup_mid_snapshot_sends_it_to_the_new_one(
         assert r.synced == ("node4", 3) and len(link.sent) == 3
         assert in_sync_lines(caplog, "node2") == 0
         assert in_sync_lines(caplog, "node4") == 1
-        n.cancel_scope.cancel()
 
 
 async def test_503_is_retried_until_the_backup_changes(autojump_clock: Any) -> None:
@@ -286,10 +278,7 @@ async def test_503_is_retried_until_the_backup_changes(autojump_clock: Any) -> N
         return 503, "not the arbiter of epoch 3", None
 
     link = Link(ok, delay=0.01, by_peer={"node2": unknown})
-    async with trio.open_nursery() as n:
-        link.nursery = n
-        n.start_soon(a.run)
-        r, _ = replicator(a, link, nursery=n)
+    async with running(a, link, eager=True) as (_n, r, _):
         r.set_target("node2")
         await link.until(lambda: len(link.sent) >= 4)
         gaps = [t1 - t0 for t0, t1 in zip(link.at, link.at[1:], strict=False)]
@@ -312,7 +301,6 @@ async def test_503_is_retried_until_the_backup_changes(autojump_clock: Any) -> N
         await trio.sleep(1.0)
         assert len(link.sent) > first + 1  # still retried, at epoch 4 only
         assert all(b["epoch"] == 4 for b in link.sent[first:])
-        n.cancel_scope.cancel()
 
 
 async def test_replica_store_refuses_a_stale_epoch_and_applies_snapshots_in_order(

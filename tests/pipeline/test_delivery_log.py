@@ -327,15 +327,24 @@ class _Producer:
         self.resumed += 1
 
 
-def _writer(tmp_path: Path, overflow: str) -> DeliveryLogWriter:
-    w = DeliveryLogWriter(
+def _new_writer(
+    tmp_path: Path, file_format: str, overflow: str, child: bool | None = None
+) -> DeliveryLogWriter:
+    """A writer of 100 buffered records at clock 1.5 s whose message-id is the data
+    (not opened)."""
+    return DeliveryLogWriter(
         tmp_path / "delivery-log",
-        file_format="jsonl",
+        file_format=file_format,
         buffer_records=100,
         overflow=overflow,
         clock=lambda: 1.5,
         message_id=lambda data: data.decode(),
+        child=child,
     )
+
+
+def _writer(tmp_path: Path, overflow: str) -> DeliveryLogWriter:
+    w = _new_writer(tmp_path, "jsonl", overflow)
     w.open("w1")
     w.write_batch(w.take_batch() or [])  # the started marker (seq 1)
     return w
@@ -447,14 +456,7 @@ def test_seq_is_implicit_but_exact_around_drops_and_markers(
     records keeps the seq it was given, and the next batch continues after the gap."""
     if file_format == "parquet":
         pytest.importorskip("pyarrow.parquet")
-    w = DeliveryLogWriter(
-        tmp_path / "delivery-log",
-        file_format=file_format,
-        buffer_records=100,
-        overflow="drop",
-        clock=lambda: 1.5,
-        message_id=lambda data: data.decode(),
-    )
+    w = _new_writer(tmp_path, file_format, "drop")
     w.open("w1")  # started: seq 1
     for i in range(99):
         w.event(dl.ROUTED, "q", Entry(f"id{i}".encode()))  # seq 2-100
@@ -485,15 +487,7 @@ def test_folded_records_take_the_seqs_of_the_records_they_stand_for(
     takes two or three seqs in the buffer, in a drop, and in the file."""
     if file_format == "parquet":
         pytest.importorskip("pyarrow.parquet")
-    w = DeliveryLogWriter(
-        tmp_path / "delivery-log",
-        file_format=file_format,
-        buffer_records=100,
-        overflow="drop",
-        clock=lambda: 1.5,
-        message_id=lambda data: data.decode(),
-        child=False,
-    )
+    w = _new_writer(tmp_path, file_format, "drop", child=False)
     w.open("w1")  # started: seq 1
     w.event(dl.RECEIVED_DISPATCHED, "q", Entry(b"a"))  # 2-4
     for i in range(97):

@@ -119,9 +119,9 @@ class BridgeConsumer(Consumer):
                 q.reject(self, entry)
             elif o in ("released", "modified"):
                 q.release(self, entry)
-            else:
-                return
-            self.flush()
+            # no flush here: outcomes arrive in a batch of the peer's input, and the
+            # outbound driver flushes the hub once after each batch (one write per
+            # producer connection for all the answers, not one per message)
 
         self.sender.send(entry.data, outcome)
 

@@ -583,6 +583,27 @@ def test_properties_field_encodings() -> None:
     assert scan(props_list("40", "40", str8("q")) + BODY)[7] == "q"
 
 
+def test_properties_with_ten_null_fields() -> None:
+    """A bare grouped message (no message-id, to or times: what Proton and rhea send
+    for a message with only a group id) takes the one-test path over the ten nulls;
+    every field after them is read as on the field-by-field path."""
+    ten = ["40"] * 10
+    data = props_list(*ten, str8("g7"), "5205") + BODY
+    assert scan(data) == expected(data) == (False, 4, 0, 0, 0, "g7", 5, None, 0, 0)
+    data = props_list(*ten, str8("g7")) + BODY
+    assert scan(data) == expected(data) == (False, 4, 0, 0, 0, "g7", 0, None, 0, 0)
+    data = props_list(*ten) + BODY  # exactly ten fields, all null
+    assert scan(data) == expected(data) == (False, 4, 0, 0, 0, None, 0, None, 0, 0)
+    # nine nulls then a creation-time: the field-by-field path, same answer
+    data = props_list(*ten[:9], "83" + (5).to_bytes(8, "big").hex(), str8("g7")) + BODY
+    assert scan(data) == expected(data) == (False, 4, 0, 0, 0, "g7", 0, None, 0, 0)
+    # a list whose size is shorter than its ten nulls and group id is refused
+    short = props_list(*ten, str8("g7"))
+    bad = short[:4] + bytes((4,)) + short[5:]
+    with pytest.raises(ScanError):
+        scan(bad + BODY)
+
+
 # --------------------------------------------------------------------------- group fallback
 
 

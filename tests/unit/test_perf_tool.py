@@ -212,6 +212,9 @@ def test_proc_parsers_on_this_process() -> None:
     assert perf.parse_status_kb("Name:\tx\n") is None
     assert "python" in perf.proc_cmdline(pid)
     assert perf.machine_busy_seconds() > 0
+    with open("/proc/stat") as f:
+        steal = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    assert perf.machine_steal_seconds() >= steal >= 0
 
 
 def test_stat_parser_copes_with_spaces_and_parens_in_the_name() -> None:

@@ -60,6 +60,8 @@ def format_row(r: dict[str, Any]) -> str:
         )
     if r.get("other_cores") is not None:
         parts.append(f"other {r['other_cores']} cores")
+    if r.get("host_steal_pct"):
+        parts.append(f"host steal {r['host_steal_pct']}%")
     if r.get("rss_per_group_bytes") is not None:
         parts.append(f"RSS/bound group {_fmt(r['rss_per_group_bytes'], ' B', 1)}")
     if r.get("rss_per_msg_bytes") is not None:
@@ -104,6 +106,7 @@ SUMMARY_KEYS = (
     "rss_per_group_bytes",
     "rss_per_msg_beyond_payload",
     "other_cores",
+    "host_steal_pct",
 )
 
 

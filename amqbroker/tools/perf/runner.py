@@ -49,6 +49,7 @@ from amqbroker.tools.perf.stats import (
     RssSampler,
     latency_summary,
     machine_busy_seconds,
+    machine_steal_seconds,
     parse_stat_cpu_ticks,
     proc_cmdline,
     proc_cpu_seconds,
@@ -273,6 +274,7 @@ class Window:
         self.k0 = self._children_cpu()
         self.c0 = self.fleet.cpu_seconds()
         self.m0 = machine_busy_seconds()
+        self.s0 = machine_steal_seconds()
         self.rss0 = proc_rss_kb(self.pid) if self.pid else None
 
     def end(self) -> None:
@@ -281,6 +283,7 @@ class Window:
         self.k1 = self._children_cpu()
         self.c1 = self.fleet.cpu_seconds()
         self.m1 = machine_busy_seconds()
+        self.s1 = machine_steal_seconds()
         self.rss1 = proc_rss_kb(self.pid) if self.pid else None
 
     def metrics(self, messages: int) -> dict[str, Any]:
@@ -303,6 +306,8 @@ class Window:
             # each client process on its own core could not go faster than this
             "client_ceiling_est_msgs_per_s": round(n / busiest) if busiest > 0 else None,
             "other_cores": round(max(0.0, other) / wall, 2),
+            # the hypervisor's steal, in % of all cores (runs with steal read high)
+            "host_steal_pct": round(100 * (self.s1 - self.s0) / (wall * (os.cpu_count() or 1)), 1),
             "broker_rss_before_kb": self.rss0,
             "broker_rss_after_kb": self.rss1,
         }

@@ -1209,14 +1209,23 @@ def log_message_id(data: bytes) -> str | None:
     """The message-id as text for the delivery log, fast for a string id (what Qpid JMS
     and most clients send): walks the section heads up to the properties and decodes
     only their first field; other id types go through `message_id`. Never raises:
-    None when absent or malformed."""
+    None when absent or malformed.
+
+    Called once per received message while the delivery log is on: the usual section
+    heads (small descriptor) and the usual header and annotation encodings (list8,
+    map8, list0, null) are framed inline, everything else through `_section_head` and
+    `_skip`."""
     try:
         p = 0
         n = len(data)
         while p < n:
-            code, v = _section_head(data, p)
-            if code == _PROPERTIES:
-                c = data[v]
+            if data[p] == 0 and data[p + 1] == 0x53:
+                code = data[p + 2]
+                v = p + 3
+            else:
+                code, v = _section_head(data, p)
+            c = data[v]
+            if code == 0x73:  # properties
                 if c == 0xC0:
                     cnt, q = data[v + 2], v + 3
                 elif c == 0xD0:
@@ -1233,9 +1242,15 @@ def log_message_id(data: bytes) -> str | None:
                 if c == 0x40:  # null: properties sent for other fields (a group id)
                     return None
                 return message_id_text(message_id(data))
-            if code > _PROPERTIES:
+            if code > 0x73 or code < 0x70:
                 return None
-            p = _skip(data, v)
+            # header, delivery-annotations, message-annotations: skipped by size
+            if c in {0xC0, 0xC1}:
+                p = v + 2 + data[v + 1]
+            elif c in {0x45, 0x40}:
+                p = v + 1
+            else:
+                p = _skip(data, v)
     except (ScanError, IndexError, struct.error, UnicodeDecodeError):
         return None
     return None

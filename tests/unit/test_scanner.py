@@ -1419,6 +1419,23 @@ def test_log_message_id_agrees_with_message_id_text() -> None:
     assert log_message_id(props_list("40") + BODY) is None
 
 
+@SETTINGS
+@given(
+    messages(),
+    st.lists(st.sampled_from(["small", "ulong", "sym8", "sym32"]), min_size=1, max_size=6),
+    st.lists(st.booleans(), min_size=1, max_size=6),
+)
+def test_log_message_id_frames_every_section_shape(
+    data: bytes, styles: list[str], reframe: list[bool]
+) -> None:
+    """The inline framing of the section heads before the properties (small
+    descriptors, list8/map8/list0/null values) and the general one (ulong and symbol
+    descriptors, 32-bit widths) find the same message-id."""
+    want = message_id_text(message_id(data))
+    assert log_message_id(data) == want
+    assert log_message_id(rebuild(data, styles, reframe)) == want
+
+
 def test_application_properties_exotic_values() -> None:
     arr = Array(symbol("x"), Data.INT, 1, 2)
     data = jms_text(

@@ -212,6 +212,8 @@ def test_proc_parsers_on_this_process() -> None:
     assert perf.parse_status_kb("Name:\tx\n") is None
     assert "python" in perf.proc_cmdline(pid)
     assert perf.machine_busy_seconds() > 0
+    ticks = perf.machine_cpu_ticks()
+    assert len(ticks) == 8 and all(t >= 0 for t in ticks)
     with open("/proc/stat") as f:
         steal = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
     assert perf.machine_steal_seconds() >= steal >= 0

@@ -129,10 +129,18 @@ def find_pid_by_port(port: int) -> int | None:
     return None
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine spent busy (all cores) since boot."""
+def machine_cpu_ticks() -> list[int]:
+    """The whole machine's CPU time since boot, all cores, in clock ticks: the first
+    eight fields of /proc/stat's "cpu" line (user, nice, system, idle, iowait, irq,
+    softirq, steal; steal is 0 where the kernel does not report it)."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:9]]
+    return v + [0] * (8 - len(v))
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all cores) since boot."""
+    v = machine_cpu_ticks()
     return (sum(v) - v[3] - v[4]) / CLK_TCK
 
 
@@ -140,9 +148,7 @@ def machine_steal_seconds() -> float:
     """CPU seconds the hypervisor gave to other guests while this machine's cores
     wanted to run (all cores, since boot; 0 on bare metal). A run with steal measures
     less than the broker's own cost: its CPU per message rises with it."""
-    with open("/proc/stat") as f:
-        v = f.readline().split()
-    return int(v[8]) / CLK_TCK if len(v) > 8 else 0.0
+    return machine_cpu_ticks()[7] / CLK_TCK
 
 
 class RssSampler:

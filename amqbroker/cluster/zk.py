@@ -18,7 +18,10 @@ is live (`amqbroker.ha.lease`). Both follow one pattern, implemented here once:
   after a reconnection that may never come), `run` closes the client under it, which
   fails that call: no kazoo client outlives `run` to retry a gone ZooKeeper forever.
   The thread is waited for within the session timeout plus 5 s in all, then abandoned
-  (a daemon thread).
+  (a daemon thread). An evaluation ZooKeeper refuses (a znode deleted between two of
+  its steps, say) publishes the lost view and runs again after `RECONNECT_FIRST_DELAY`,
+  doubling up to the reconnection's largest delay, or at the next wake-up if sooner:
+  the change that would wake the worker may never come.
 * every kazoo state change starts a new *connection generation*; each view carries the
   generation its evaluation started in. With ``fast_lost`` (the HA lease), a change to
   SUSPENDED or LOST also goes from kazoo's listener straight to the trio thread
@@ -436,9 +439,13 @@ class ZkWorker(Generic[V]):
         self._client = client
         client.add_listener(self._on_state)
         client.start_async()
+        retry: float | None = None  # after a refused step: evaluate again this soon
         try:
             while True:
-                item = self._wake.get()
+                try:
+                    item = self._wake.get(timeout=retry)
+                except queue.Empty:
+                    item = "retry after a refused step"
                 stop = item is _STOP
                 while not stop:  # coalesce a burst of wake-ups into one evaluation
                     try:
@@ -449,10 +456,11 @@ class ZkWorker(Generic[V]):
                     break
                 try:
                     self._evaluate()
+                    retry = None
                 except Exception as exc:
                     if self._leaving:
                         break  # run() closed the client under a blocked call
-                    self._on_zk_error(exc)
+                    retry = self._on_zk_error(exc, retry)
         finally:
             self._leave(client)
 
@@ -477,22 +485,42 @@ class ZkWorker(Generic[V]):
         self._lost_gen = max(self._lost_gen, gen)
         self._apply(self._lost_view(), gen)
 
-    def _on_zk_error(self, exc: Exception) -> None:
+    def _on_zk_error(self, exc: Exception, retry: float | None) -> float | None:
+        """Worker thread: publish the lost view after a failed evaluation; the delay
+        before evaluating again unprompted (None: the listener wakes us). A refused step
+        is retried after `RECONNECT_FIRST_DELAY`, doubling up to the reconnection's
+        largest delay: the change that would wake us (a watch) may have come already, or
+        never come (a watch not yet set when the step failed). Only the first failure
+        in a row is logged as a warning; the ones after it, at debug level."""
         from kazoo.exceptions import ConnectionLoss, SessionExpiredError, ZookeeperError
 
-        log = logging.getLogger(type(self).__module__)
         if isinstance(exc, ConnectionLoss | SessionExpiredError):
-            pass  # the listener reports SUSPENDED / LOST and wakes us on reconnection
-        elif isinstance(exc, ZookeeperError):
-            log.warning(
-                "ZooKeeper refused %s (%s: %s); retrying on the next change",
+            self._publish(self._lost_view())
+            return None  # the listener reports SUSPENDED / LOST and wakes us on reconnection
+        delay = (
+            RECONNECT_FIRST_DELAY if retry is None else min(2 * retry, self._reconnect_max_delay)
+        )
+        log = logging.getLogger(type(self).__module__)
+        level = logging.WARNING if retry is None else logging.DEBUG
+        if isinstance(exc, ZookeeperError):
+            log.log(
+                level,
+                "ZooKeeper refused %s (%s: %s); retrying in %g s or on the next change",
                 self._what,
                 type(exc).__name__,
                 exc,
+                delay,
             )
         else:
-            log.exception("%s failed", self._what)
+            log.log(
+                level,
+                "%s failed; retrying in %g s or on the next change",
+                self._what,
+                delay,
+                exc_info=exc,
+            )
         self._publish(self._lost_view())
+        return delay
 
     def _leave(self, client: Any) -> None:
         from kazoo.exceptions import KazooException

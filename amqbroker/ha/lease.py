@@ -431,10 +431,14 @@ class ZkLease(ZkWorker[LeaseView]):
                 )
             self._my_node = None
         if self._prepared_session != session:
-            client.ensure_path(self._members_path)
-            with contextlib.suppress(NodeExistsError):
-                doc = {"epoch": 0, "live": None, "address": None, "znode": None}
-                client.create(self._epoch_path, json.dumps(doc).encode())
+            try:
+                client.ensure_path(self._members_path)
+                with contextlib.suppress(NodeExistsError):
+                    doc = {"epoch": 0, "live": None, "address": None, "znode": None}
+                    client.create(self._epoch_path, json.dumps(doc).encode())
+            except NoNodeError:  # deleted again between the two (an operator's wipe)
+                self._wake.put("path gone")
+                return
             self._prepared_session = session
         if synced is not None and self._my_node is not None and self._my_synced != synced:
             # the copy's epoch changed (a resync, a takeover): the others must see it

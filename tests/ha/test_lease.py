@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.timeout(90)
 SESSION_MS = 1000  # how long a silent member keeps its place
 WAIT = 15.0  # bound for any one change (several session timeouts)
 NODE = "node1"
+WIPES = 300  # deletes of the pair's znodes by a racing "operator"
 
 
 @dataclass
@@ -481,6 +483,8 @@ async def test_znodes_deleted_under_a_live_member_end_its_lease_and_it_never_boo
     a = await pair.join("a", 0)
     await a.wait(is_live(1), "a live")
 
+    give_up = threading.Event()  # the test ended (failed): the wipe stops too
+
     def wipe() -> None:
         from kazoo.exceptions import NoNodeError, NotEmptyError
 
@@ -490,20 +494,24 @@ async def test_znodes_deleted_under_a_live_member_end_its_lease_and_it_never_boo
         try:
             with contextlib.suppress(NotEmptyError):  # a recreates what is deleted
                 c.delete(a.lease.path, recursive=True)
-            for _ in range(100):
+            deadline = time.monotonic() + WAIT
+            while (left := deadline - time.monotonic()) > 0 and not give_up.is_set():
                 changed = threading.Event()  # set by ZooKeeper's watch on the epoch znode
                 with contextlib.suppress(NoNodeError, NotEmptyError):
                     if c.exists(epoch_path, watch=lambda _e, ev=changed: ev.set()) is not None:
                         if json.loads(c.get(epoch_path)[0])["epoch"] == 0:
                             return  # wiped and recreated by a
                         c.delete(a.lease.path, recursive=True)
-                changed.wait(WAIT)  # deleted, or recreated by a
+                changed.wait(min(left, 0.5))  # deleted, or recreated by a
         finally:
             c.stop()
             c.close()
-        raise AssertionError("could not wipe the pair's znodes")
+        raise AssertionError(f"a did not recreate the wiped znodes within {WAIT} s")
 
-    await trio.to_thread.run_sync(wipe)
+    try:
+        await trio.to_thread.run_sync(wipe, abandon_on_cancel=True)
+    finally:
+        give_up.set()
     await a.wait(lambda v: v.role is LeaseRole.STANDBY and v.eligible, "a recreated, not live")
     await a.wait(standby_of(None, 0), "epoch 0, nobody live")
     assert not await a.lease.confirm(1)
@@ -626,3 +634,43 @@ async def test_a_member_resynced_ahead_of_the_live_never_takes_over_from_it(pair
     assert await s.lease.confirm(1)
     s.leave()  # now b, in sync at 1, is the one to take over
     await b.wait(is_live(2), "b live")
+
+
+async def test_a_member_rebuilds_its_znodes_after_wipes_racing_its_rebuild(
+    pair: Pair,
+    zookeeper: ZooKeeperServer,  # noqa: F811
+) -> None:
+    """An operator's script deletes the pair's znodes again and again while the member
+    recreates them: some deletes land between two of its steps (the path gone under
+    the epoch znode it is creating). Once the deletes stop, it has rebuilt them and is
+    standby at epoch 0, not stuck waiting for a change that never comes."""
+    from kazoo.client import KazooClient
+    from kazoo.exceptions import NoNodeError, NotEmptyError
+
+    a = await pair.join("a", 0)
+    await a.wait(is_live(1), "a live")
+    give_up = threading.Event()
+
+    def wipe_repeatedly() -> int:
+        c = KazooClient(hosts=zookeeper.hosts, timeout=5.0)
+        c.start(timeout=10)
+        deleted = 0
+        try:
+            for _ in range(WIPES):
+                if give_up.is_set():
+                    break
+                with contextlib.suppress(NoNodeError, NotEmptyError):
+                    c.delete(a.lease.path, recursive=True)
+                    deleted += 1
+        finally:
+            c.stop()
+            c.close()
+        return deleted
+
+    try:
+        assert await trio.to_thread.run_sync(wipe_repeatedly, abandon_on_cancel=True) > 0
+    finally:
+        give_up.set()
+    await a.wait(standby_of(None, 0), "epoch 0, nobody live")
+    assert a.view.eligible
+    assert a.recorder.live_epochs() == [1]

@@ -31,8 +31,29 @@ def no_kazoo_client_left() -> Iterator[None]:
     left = [t for t in threading.enumerate() if t.name.endswith("(zk_loop)") and t not in before]
     for t in left:
         t.join(KAZOO_STOP_WAIT / len(left))
-    if alive := [t.name for t in left if t.is_alive()]:
-        pytest.fail(f"a kazoo client outlived the test: {alive}")
+    if alive := [t for t in left if t.is_alive()]:
+        for t in alive:
+            _stop_kazoo_client_of(t)
+        pytest.fail(
+            f"a kazoo client outlived the test (now stopped, so that later tests do not "
+            f"pay for it): {[t.name for t in alive]}"
+        )
+
+
+def _stop_kazoo_client_of(t: threading.Thread) -> None:
+    """Stop the client whose connection thread `t` is (kazoo's `zk_loop`, a bound
+    method of the client's connection handler): a client left running retries and logs
+    for the rest of the run, and the test that left it has already failed."""
+    handler = getattr(getattr(t, "_target", None), "__self__", None)
+    client = getattr(handler, "client", None)
+    if client is None:
+        return
+    try:
+        client.stop()
+        client.close()
+    except Exception:  # already stopping, or a kazoo version that differs
+        pass
+    t.join(KAZOO_STOP_WAIT)
 
 
 @pytest.fixture

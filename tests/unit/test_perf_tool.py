@@ -46,9 +46,19 @@ def test_scenarios_and_explicit_overrides() -> None:
     assert (custom.groups, custom.consumers, custom.presettled) == (10, 2, True)
 
 
+def test_scenarios_run_interleaved_unless_asked_by_scenario() -> None:
+    args = perf.parse_args(["--scenario", "A,C,G1K", "--runs", "2"])
+    plan = [(sc.name, run) for sc, run in perf.run_plan(args.scenarios, args.runs, args.order)]
+    assert plan == [("A", 1), ("C", 1), ("G1K", 1), ("A", 2), ("C", 2), ("G1K", 2)]
+    args = perf.parse_args(["--scenario", "A,C", "--runs", "2", "--order", "by-scenario"])
+    plan = [(sc.name, run) for sc, run in perf.run_plan(args.scenarios, args.runs, args.order)]
+    assert plan == [("A", 1), ("A", 2), ("C", 1), ("C", 2)]
+
+
 @pytest.mark.parametrize(
     "argv",
     [
+        ["--order", "random"],
         ["--scenario", "Z"],
         ["--size", "16"],
         ["--groups", "1", "--producers", "2"],

@@ -69,7 +69,10 @@ MEM   1,000,000 x 100 B sent to a queue without consumer: broker RSS growth per 
       message beyond its payload; then drained by one consumer.
 
 Options given explicitly override a scenario's values (e.g. ``--scenario A --count
-20000``). Without --scenario one run is made from the options.
+20000``). Without --scenario one run is made from the options. Several scenarios run
+interleaved (run 1 of each, then run 2 of each, ...), so that a comparison between them
+within one invocation is not skewed by a shared machine drifting meanwhile;
+``--order by-scenario`` runs all of one scenario's runs before the next.
 
 JMS features (any scenario)
 ---------------------------
@@ -116,6 +119,7 @@ from amqbroker.tools.perf.options import (
     build_parser,
     parse_args,
     producer_segments,
+    run_plan,
     url_defaults,
     variant,
 )
@@ -179,6 +183,7 @@ __all__ = [
     "proc_rss_kb",
     "producer_segments",
     "render_report",
+    "run_plan",
     "split_evenly",
     "strict_address_settings",
     "summarize",

@@ -63,6 +63,18 @@ SCENARIOS: dict[str, Scenario] = {
     )
 }
 
+#: --order: how the runs of several scenarios follow each other (`run_plan`)
+ORDERS = ("interleaved", "by-scenario")
+
+
+def run_plan(scenarios: list[Scenario], runs: int, order: str) -> list[tuple[Scenario, int]]:
+    """The (scenario, run number) pairs in the order they run: round by round
+    (``interleaved``), or every run of one scenario before the next (``by-scenario``)."""
+    if order == "by-scenario":
+        return [(sc, run) for sc in scenarios for run in range(1, runs + 1)]
+    return [(sc, run) for run in range(1, runs + 1) for sc in scenarios]
+
+
 #: options that, given explicitly, override a scenario's value
 _OVERRIDABLE = (
     "count",
@@ -133,6 +145,14 @@ def build_parser(prog: str = "perf.py") -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=1000, help="producer max unsettled (1000)")
     ap.add_argument("--credit", type=int, default=1000, help="consumer credit (1000)")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario (3)")
+    ap.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="interleaved",
+        help="interleaved (default): run 1 of every scenario, then run 2 of every "
+        "scenario, ...: scenarios compared within one invocation see the same drift of "
+        "a shared machine; by-scenario: all runs of the first scenario, then the next",
+    )
     ap.add_argument(
         "--warmup",
         type=int,

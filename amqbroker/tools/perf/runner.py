@@ -34,6 +34,7 @@ from amqbroker.tools.perf.options import (
     Scenario,
     parse_args,
     producer_segments,
+    run_plan,
     variant,
 )
 from amqbroker.tools.perf.report import (
@@ -689,13 +690,12 @@ def main(
                 file=info,
                 flush=True,
             )
-        for sc in args.scenarios:
-            for run in range(1, args.runs + 1):
-                for r in run_scenario(args, target, sc, run):
-                    rows.append(r)
-                    if args.json:
-                        print(json.dumps(r), flush=True)
-                    print(format_row(r), file=info, flush=True)
+        for sc, run in run_plan(args.scenarios, args.runs, args.order):
+            for r in run_scenario(args, target, sc, run):
+                rows.append(r)
+                if args.json:
+                    print(json.dumps(r), flush=True)
+                print(format_row(r), file=info, flush=True)
         if target.pid and not args.ceiling:
             hwm = proc_rss_kb(target.pid, "VmHWM")
             if hwm:

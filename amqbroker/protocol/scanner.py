@@ -219,6 +219,8 @@ _U64 = struct.Struct(">Q").unpack_from
 _I64 = struct.Struct(">q").unpack_from
 #: ten nulls: the properties fields message-id .. creation-time of a bare message
 _NULLS10 = b"\x40" * 10
+#: ten null properties and the str8 code of a group-id (`scan`'s grouped fast path)
+_NULLS10_STR8 = _NULLS10 + b"\xa1"
 _PACK_U32 = struct.Struct(">I").pack
 _PACK_U32x2 = struct.Struct(">II").pack
 _PACK_Q = struct.Struct(">q").pack
@@ -674,6 +676,18 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
                 p = end
 
             elif code == 0x73:  # properties
+                if c == 0xC0 and data[p + 2] == 11 and data.startswith(_NULLS10_STR8, p + 3):
+                    # ten nulls and a str8 group-id, nothing after: what Proton and rhea
+                    # send for a message that sets only a group id
+                    s = p + 15
+                    q = s + data[p + 14]
+                    gid = data[s:q].decode()
+                    p += 2 + data[p + 1]
+                    if q > p:
+                        raise ScanError(f"properties list at offset {start} overruns its size")
+                    if p >= n:
+                        break
+                    continue
                 if c == 0xC0:
                     end = p + 2 + data[p + 1]
                     cnt = data[p + 2]

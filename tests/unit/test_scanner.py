@@ -606,8 +606,34 @@ def test_properties_with_ten_null_fields() -> None:
     # a list whose size is shorter than its ten nulls and group id is refused
     short = props_list(*ten, str8("g7"))
     bad = short[:4] + bytes((4,)) + short[5:]
-    with pytest.raises(ScanError):
+    with pytest.raises(ScanError, match="overruns its size"):
         scan(bad + BODY)
+
+
+def test_properties_of_ten_nulls_and_a_group_id_alone() -> None:
+    """Exactly ten nulls and a str8 group-id (the bare grouped message) is read in one
+    step; what follows the section is read as after any other properties."""
+    ten = ["40"] * 10
+    props = props_list(*ten, str8("gé7"))
+    for data in (
+        props + BODY,
+        hdr("41") + props + BODY,  # durable, then the section
+        props + app_map(("JMSXGroupSeq", "5503")) + BODY,  # the sequence from the fallback
+        props + app_map(("JMSXGroupID", str8("other"))) + BODY,  # properties win
+        props,  # no body
+    ):
+        assert scan(data) == expected(data), data.hex()
+        assert scan(data)[5] == "gé7"
+    assert scan(props + app_map(("JMSXGroupSeq", "5503")) + BODY)[6] == 3
+    # the group id running past the data, past the list, or not UTF-8: refused
+    with pytest.raises(ScanError, match="truncated"):
+        scan(props[:-1])
+    gid_len = 3 + 3 + 10 + 1  # section head; list code, size, count; ten nulls; A1
+    long_id = props[:gid_len] + bytes((props[gid_len] + 3,)) + props[gid_len + 1 :]
+    with pytest.raises(ScanError, match="overruns its size"):
+        scan(long_id + BODY)
+    with pytest.raises(ScanError, match="UTF-8"):
+        scan(props_list(*ten, str8(b"\xff\xfe")) + BODY)
 
 
 # --------------------------------------------------------------------------- group fallback

@@ -264,8 +264,16 @@ class Queue:
         if self.pager is not None and (self.paged_count or (self.address and self.address.full)):
             queue_paging.page_out(self, e)
             return
+        # `key_of`, inline: this runs once per message
         gid = e.group_id
-        e.gkey = self.key_of(gid) if (gid is not None or self._policy.exclusive) else None
+        pol = self._policy
+        if pol.exclusive:
+            e.gkey = EXCLUSIVE
+        elif gid is None or not pol.group_buckets:
+            e.gkey = None
+        else:
+            b = pol.group_buckets
+            e.gkey = gid if b < 0 else bucket_of(gid, b)
         n = len(e.data)
         self.count += 1
         self.bytes += n

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -278,6 +279,37 @@ def test_end_to_end_against_a_started_broker() -> None:
     g = _perf_json("--count", "2000", "--groups", "10", "--consumers", "2")
     assert (g["received"], g["errors"], g["group_check"]) == (2000, 0, "ok")
     assert (g["groups_seen"], g["group_split"], g["order_violations"]) == (10, 0, 0)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_broker_the_run_started() -> None:
+    """A perf run ended with SIGTERM (a script's kill, a CI timeout) stops the broker it
+    started instead of leaving it running."""
+    cmd = [sys.executable, str(SCRIPT), "--start-broker", "--warmup", "0", "--timeout", "60"]
+    broker = 0
+    try:
+        with subprocess.Popen(
+            [*cmd, "--scenario", "A", "--count", "100000000", "--no-progress"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        ) as p:
+            try:
+                assert p.stdout is not None
+                head = p.stdout.readline()  # "# amqbroker at 127.0.0.1:P broker pid N (...)"
+                broker = int(head.split(" broker pid ")[1].split()[0])
+                assert os.path.exists(f"/proc/{broker}"), head
+                p.send_signal(signal.SIGTERM)
+                assert p.wait(timeout=60) == 128 + signal.SIGTERM
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        # the run stopped and reaped its broker before it exited
+        assert not os.path.exists(f"/proc/{broker}"), "the started broker outlived the run"
+    finally:
+        if broker and os.path.exists(f"/proc/{broker}"):
+            os.kill(broker, signal.SIGKILL)  # this test stops what it started
 
 
 @pytest.mark.slow

@@ -13,9 +13,11 @@ import json
 import mmap
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -667,6 +669,24 @@ def main(
     live = args.progress if args.progress is not None else sys.stderr.isatty()
     args.live = Progress(live)
     rows: list[dict[str, Any]] = []
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args, prog, info, rows, summary)  # signals reach the main thread only
+    # SIGTERM ends the run like ^C does: the broker it started and the load processes
+    # are stopped (`_run`'s `finally`), not left behind
+    old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(args, prog, info, rows, summary)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _run(
+    args: argparse.Namespace, prog: str, info: Any, rows: list[dict[str, Any]], summary: bool
+) -> int:
     try:
         target = make_target(args)
     except RunError as exc:

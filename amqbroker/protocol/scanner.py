@@ -679,123 +679,119 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
                 if c == 0xC0 and data[p + 2] == 11 and data.startswith(_NULLS10_STR8, p + 3):
                     # ten nulls and a str8 group-id, nothing after: what Proton and rhea
                     # send for a message that sets only a group id
+                    end = p + 2 + data[p + 1]
                     s = p + 15
                     q = s + data[p + 14]
                     gid = data[s:q].decode()
-                    p += 2 + data[p + 1]
-                    if q > p:
-                        raise ScanError(f"properties list at offset {start} overruns its size")
-                    if p >= n:
-                        break
-                    continue
-                if c == 0xC0:
-                    end = p + 2 + data[p + 1]
-                    cnt = data[p + 2]
-                    q = p + 3
-                elif c in {0x45, 0x40}:
-                    end = q = p + 1
-                    cnt = 0
-                elif c == 0xD0:
-                    size, cnt = _U32x2(data, p + 1)
-                    end = p + 5 + size
-                    q = p + 9
                 else:
-                    raise _shape_error(code, c, p)
-                if cnt > 9 and data.startswith(_NULLS10, q):
-                    # message-id .. creation-time all null (one test for ten fields)
-                    q += 10
-                else:
-                    if cnt:
-                        # message-id
-                        c = data[q]
-                        if c == 0xA1:
-                            q += 2 + data[q + 1]
-                        elif c == 0x40:
-                            q += 1
-                        else:
-                            q = _skip(data, q)
-                    if cnt > 1:
-                        # user-id
-                        if data[q] == 0x40:
-                            q += 1
-                        else:
-                            q = _skip(data, q)
-                    if cnt > 2:
-                        # to
+                    if c == 0xC0:
+                        end = p + 2 + data[p + 1]
+                        cnt = data[p + 2]
+                        q = p + 3
+                    elif c in {0x45, 0x40}:
+                        end = q = p + 1
+                        cnt = 0
+                    elif c == 0xD0:
+                        size, cnt = _U32x2(data, p + 1)
+                        end = p + 5 + size
+                        q = p + 9
+                    else:
+                        raise _shape_error(code, c, p)
+                    if cnt > 9 and data.startswith(_NULLS10, q):
+                        # message-id .. creation-time all null (one test for ten fields)
+                        q += 10
+                    else:
+                        if cnt:
+                            # message-id
+                            c = data[q]
+                            if c == 0xA1:
+                                q += 2 + data[q + 1]
+                            elif c == 0x40:
+                                q += 1
+                            else:
+                                q = _skip(data, q)
+                        if cnt > 1:
+                            # user-id
+                            if data[q] == 0x40:
+                                q += 1
+                            else:
+                                q = _skip(data, q)
+                        if cnt > 2:
+                            # to
+                            c = data[q]
+                            if c == 0xA1:
+                                s = q + 2
+                                q = s + data[q + 1]
+                                to = data[s:q].decode()
+                            elif c == 0x40:
+                                q += 1
+                            elif c == 0xB1:
+                                s = q + 5
+                                q = s + _U32(data, q + 1)[0]
+                                to = data[s:q].decode()
+                            else:
+                                q = _skip(data, q)
+                        if cnt > 3:
+                            # subject, reply-to, correlation-id, content-type,
+                            # content-encoding
+                            if cnt > 7 and data.startswith(b"\x40\x40\x40\x40\x40", q):
+                                q += 5
+                            else:
+                                q = _skip(data, q, (cnt if cnt < 8 else 8) - 3)
+                        if cnt > 8:
+                            # absolute-expiry-time
+                            c = data[q]
+                            if c == 0x40:
+                                q += 1
+                            elif c == 0x83:
+                                expiry = _I64(data, q + 1)[0]
+                                q += 9
+                            else:
+                                q = _skip(data, q)
+                        if cnt > 9:
+                            # creation-time
+                            c = data[q]
+                            if c == 0x83:
+                                q += 9
+                            elif c == 0x40:
+                                q += 1
+                            else:
+                                q = _skip(data, q)
+                    if cnt > 10:
+                        # group-id
                         c = data[q]
                         if c == 0xA1:
                             s = q + 2
                             q = s + data[q + 1]
-                            to = data[s:q].decode()
+                            gid = data[s:q].decode()
                         elif c == 0x40:
                             q += 1
                         elif c == 0xB1:
                             s = q + 5
                             q = s + _U32(data, q + 1)[0]
-                            to = data[s:q].decode()
+                            gid = data[s:q].decode()
                         else:
                             q = _skip(data, q)
-                    if cnt > 3:
-                        # subject, reply-to, correlation-id, content-type,
-                        # content-encoding
-                        if cnt > 7 and data.startswith(b"\x40\x40\x40\x40\x40", q):
-                            q += 5
-                        else:
-                            q = _skip(data, q, (cnt if cnt < 8 else 8) - 3)
-                    if cnt > 8:
-                        # absolute-expiry-time
-                        c = data[q]
-                        if c == 0x40:
-                            q += 1
-                        elif c == 0x83:
-                            expiry = _I64(data, q + 1)[0]
-                            q += 9
-                        else:
-                            q = _skip(data, q)
-                    if cnt > 9:
-                        # creation-time
-                        c = data[q]
-                        if c == 0x83:
-                            q += 9
-                        elif c == 0x40:
-                            q += 1
-                        else:
-                            q = _skip(data, q)
-                if cnt > 10:
-                    # group-id
-                    c = data[q]
-                    if c == 0xA1:
-                        s = q + 2
-                        q = s + data[q + 1]
-                        gid = data[s:q].decode()
-                    elif c == 0x40:
-                        q += 1
-                    elif c == 0xB1:
-                        s = q + 5
-                        q = s + _U32(data, q + 1)[0]
-                        gid = data[s:q].decode()
-                    else:
-                        q = _skip(data, q)
-                    if cnt > 11:
-                        # group-sequence
-                        c = data[q]
-                        if c == 0x52:
-                            gseq = data[q + 1]
-                            have_gseq = True
-                            q += 2
-                        elif c == 0x70:
-                            gseq = _U32(data, q + 1)[0]
-                            if gseq & 0x80000000:
-                                gseq -= 0x100000000
-                            have_gseq = True
-                            q += 5
-                        elif c == 0x43:
-                            have_gseq = True
-                            q += 1
-                        elif c == 0x40:
-                            q += 1
-                        else:
-                            q = _skip(data, q)
+                        if cnt > 11:
+                            # group-sequence
+                            c = data[q]
+                            if c == 0x52:
+                                gseq = data[q + 1]
+                                have_gseq = True
+                                q += 2
+                            elif c == 0x70:
+                                gseq = _U32(data, q + 1)[0]
+                                if gseq & 0x80000000:
+                                    gseq -= 0x100000000
+                                have_gseq = True
+                                q += 5
+                            elif c == 0x43:
+                                have_gseq = True
+                                q += 1
+                            elif c == 0x40:
+                                q += 1
+                            else:
+                                q = _skip(data, q)
                 if q > end:
                     raise ScanError(f"properties list at offset {start} overruns its size")
                 p = end

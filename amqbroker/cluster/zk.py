@@ -494,31 +494,34 @@ class ZkWorker(Generic[V]):
         in a row is logged as a warning; the ones after it, at debug level."""
         from kazoo.exceptions import ConnectionLoss, SessionExpiredError, ZookeeperError
 
+        delay: float | None
         if isinstance(exc, ConnectionLoss | SessionExpiredError):
-            self._publish(self._lost_view())
-            return None  # the listener reports SUSPENDED / LOST and wakes us on reconnection
-        delay = (
-            RECONNECT_FIRST_DELAY if retry is None else min(2 * retry, self._reconnect_max_delay)
-        )
-        log = logging.getLogger(type(self).__module__)
-        level = logging.WARNING if retry is None else logging.DEBUG
-        if isinstance(exc, ZookeeperError):
-            log.log(
-                level,
-                "ZooKeeper refused %s (%s: %s); retrying in %g s or on the next change",
-                self._what,
-                type(exc).__name__,
-                exc,
-                delay,
-            )
+            delay = None  # the listener reports SUSPENDED / LOST and wakes us on reconnection
         else:
-            log.log(
-                level,
-                "%s failed; retrying in %g s or on the next change",
-                self._what,
-                delay,
-                exc_info=exc,
+            delay = (
+                RECONNECT_FIRST_DELAY
+                if retry is None
+                else min(2 * retry, self._reconnect_max_delay)
             )
+            log = logging.getLogger(type(self).__module__)
+            level = logging.WARNING if retry is None else logging.DEBUG
+            if isinstance(exc, ZookeeperError):
+                log.log(
+                    level,
+                    "ZooKeeper refused %s (%s: %s); retrying in %g s or on the next change",
+                    self._what,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+            else:
+                log.log(
+                    level,
+                    "%s failed; retrying in %g s or on the next change",
+                    self._what,
+                    delay,
+                    exc_info=exc,
+                )
         self._publish(self._lost_view())
         return delay
 

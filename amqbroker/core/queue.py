@@ -269,10 +269,9 @@ class Queue:
         pol = self._policy
         if pol.exclusive:
             e.gkey = EXCLUSIVE
-        elif gid is None or not pol.group_buckets:
+        elif gid is None or not (b := pol.group_buckets):
             e.gkey = None
         else:
-            b = pol.group_buckets
             e.gkey = gid if b < 0 else bucket_of(gid, b)
         n = len(e.data)
         self.count += 1

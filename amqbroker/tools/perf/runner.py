@@ -668,14 +668,13 @@ def main(
     info = sys.stderr if args.json else sys.stdout
     live = args.progress if args.progress is not None else sys.stderr.isatty()
     args.live = Progress(live)
-    rows: list[dict[str, Any]] = []
     if threading.current_thread() is not threading.main_thread():
-        return _run(args, prog, info, rows, summary)  # signals reach the main thread only
+        return _run(args, prog, info, summary)  # signals reach the main thread only
     # SIGTERM ends the run like ^C does: the broker it started and the load processes
     # are stopped (`_run`'s `finally`), not left behind
     old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        return _run(args, prog, info, rows, summary)
+        return _run(args, prog, info, summary)
     finally:
         signal.signal(signal.SIGTERM, old_term)
 
@@ -684,9 +683,8 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _run(
-    args: argparse.Namespace, prog: str, info: Any, rows: list[dict[str, Any]], summary: bool
-) -> int:
+def _run(args: argparse.Namespace, prog: str, info: Any, summary: bool) -> int:
+    rows: list[dict[str, Any]] = []
     try:
         target = make_target(args)
     except RunError as exc:

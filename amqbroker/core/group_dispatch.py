@@ -277,28 +277,35 @@ class GroupDispatcher:
                 else:
                     self.step(WAIT, key, e)
                 continue
-            g = self.last_group  # the group `offer` looked at
             if r == OWNER_BUSY and strict:
                 dq.appendleft(e)
                 q.n_main += 1
                 return
-            pq = g.parked
-            if pq is not None:
-                pq.append(e)  # newer than every parked message: no state change
-            else:
-                # PARK, inline (the hot path): the effect `step` applies
-                g.parked = deque((e,))
-                g.parked_at = q.clock()
-            if r == OWNER_BUSY:
-                if not g.waiting:
-                    g.waiting = True
-                    o = g.owner
-                    assert o is not None
-                    o.parked_groups.append(g)
-            elif r == REFUSED:
-                self.step(STICK, key, e)
+            self.park(e, r)
         if q.n_main:
             q.host.schedule_dispatch(q)
+
+    def park(self, e: Entry, r: int) -> None:
+        """Park `e`, which `offer` just declined with `r` (WAIT_GROUP, OWNER_BUSY or
+        REFUSED), in the group `offer` looked at: the pass's answer, also given by
+        the enqueue fast path to a message nothing is queued ahead of (the same
+        decision the pass would make for it, one pass sooner)."""
+        g = self.last_group
+        pq = g.parked
+        if pq is not None:
+            pq.append(e)  # newer than every parked message: no state change
+        else:
+            # PARK, inline (the hot path): the effect `step` applies
+            g.parked = deque((e,))
+            g.parked_at = self.q.clock()
+        if r == OWNER_BUSY:
+            if not g.waiting:
+                g.waiting = True
+                o = g.owner
+                assert o is not None
+                o.parked_groups.append(g)
+        elif r == REFUSED:
+            self.step(STICK, g.key, e)
 
     def serve(self, c: Consumer) -> None:
         """Give a consumer its parked groups' messages (older than the main order)."""

@@ -48,7 +48,14 @@ from amqbroker.core.arrivals import ArrivalMarks
 from amqbroker.core.consumer import Consumer
 from amqbroker.core.delivery_log import DeliveryLog
 from amqbroker.core.entry import Entry
-from amqbroker.core.group_dispatch import SPENT_CLOSE, GroupDispatcher, _insert_by_seq
+from amqbroker.core.group_dispatch import (
+    DELIVERED,
+    NO_TAKER,
+    OWNER_BUSY,
+    SPENT_CLOSE,
+    GroupDispatcher,
+    _insert_by_seq,
+)
 from amqbroker.core.groups import EXCLUSIVE, HOLD, bucket_of
 from amqbroker.core.persistence import NoPersistence, Persistence
 from amqbroker.core.timers import Timers
@@ -291,8 +298,13 @@ class Queue:
         # fast path: nothing queued ahead, so this message is the head: make the
         # decision a dispatch pass would make, without entering one
         d = self.dispatcher
-        if not self.n_main and d.flowing and not d.in_dispatch and not e.expiry and not d.offer(e):
-            return
+        if not self.n_main and d.flowing and not d.in_dispatch and not e.expiry:
+            r = d.offer(e)
+            if r == DELIVERED:
+                return
+            if r != NO_TAKER and (r != OWNER_BUSY or pol.group_skip_ahead):
+                d.park(e, r)  # what the pass would do with it, without the pass
+                return
         p = e.priority
         self.levels[p].append(e)
         self.n_main += 1

@@ -9,6 +9,7 @@ targets and orders. Payload labels: ``G3`` is the third message sent to group ``
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import pytest
 
@@ -257,6 +258,31 @@ def test_strict_mode_stops_at_busy_owner() -> None:
     # G2 to c1; u1: cursor after c1 -> c2; H1: cursor -> c1; G3 -> c1; u2 -> c2
     assert c1.labels == ["G1", "G2", "H1", "G3"]
     assert c2.labels == ["u1", "u2"]
+
+
+def test_a_message_for_a_busy_owner_is_parked_on_arrival() -> None:
+    """With nothing queued ahead, a message whose group's owner has no credit goes
+    straight to the group's parked messages (the pass's answer, without the pass);
+    under strict head-of-line (no skip-ahead) it stays at the head of the order."""
+    for skip in (True, False):
+        h = Harness(QueuePolicy(group_skip_ahead=skip))
+        c1 = h.attach("c1", 1)
+        c2 = h.attach("c2", 0)
+        h.send("G")
+        h.send("G")
+        g = h.queue.dispatcher.table["G"]
+        if skip:
+            assert h.queue.n_main == 0
+            assert [label(e) for e in g.parked or ()] == ["G2"]
+            assert g.waiting and c1.parked_groups == deque([g])
+        else:
+            assert h.queue.n_main == 1 and g.parked is None
+        h.send("G")  # joins G2, behind it
+        h.credit(c2, 10)
+        assert c2.labels == []
+        h.credit(c1, 10)
+        assert c1.labels == ["G1", "G2", "G3"]
+        assert h.queue.n_main == 0 and g.parked is None
 
 
 def test_unbound_group_first_message_without_taker_holds_the_group() -> None:
@@ -1176,14 +1202,17 @@ def test_dispatch_batch_with_groups_keeps_group_order() -> None:
     h.send("G")
     for _ in range(3):
         h.send_many("G", None, "H")
-    h.credit(c2, 100)  # batch: G2 parked, u1 -> c2
-    assert (c1.labels, c2.labels) == (["G1"], ["u1"])
-    h.credit(c1, 100)  # G2 from the parked group, then a batch: H1 -> c2, G3 -> c1
-    assert (c1.labels, c2.labels) == (["G1", "G2", "G3"], ["u1", "H1"])
+    # G2 was parked on arrival (its owner c1 had no credit), so the main order
+    # starts at u1: batch u1, H1 -> c2
+    assert h.queue.n_main == 8
+    h.credit(c2, 100)
+    assert (c1.labels, c2.labels) == (["G1"], ["u1", "H1"])
+    h.credit(c1, 100)  # G2 from the parked group, then a batch: G3 -> c1, u2 -> c2
+    assert (c1.labels, c2.labels) == (["G1", "G2", "G3"], ["u1", "H1", "u2"])
     rounds = 0
-    while h.broker.run_deferred():
+    while h.broker.run_deferred():  # H2, G4; then u3, H3 (the last call)
         rounds += 1
-    assert rounds == 2
+    assert rounds == 1
     assert c1.labels == ["G1", "G2", "G3", "G4"]
     assert c2.labels == ["u1", "H1", "u2", "H2", "u3", "H3"]
     assert h.queue.count == 10

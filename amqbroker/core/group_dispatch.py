@@ -13,9 +13,11 @@ go. `offer(e)` is the one decision for a message at the head of the main order:
 * message of a bound group: only its owner may take it.
 
 It delivers when it can and otherwise says why not (`Offer`); the enqueue fast path
-(nothing queued ahead) and the dispatch pass (`_pass`) both call it. The fast path
-leaves every outcome but a delivery to the pass; the pass turns the others into a
-place for the message:
+(nothing queued ahead) and the dispatch pass (`_pass`) both call it. The pass turns
+the other outcomes into a place for the message (`park` for the three that park); the
+fast path parks too (skip-ahead only: the message is the head, so the pass would make
+the same decision for it) and leaves NO_TAKER, and OWNER_BUSY under strict
+head-of-line, to the pass:
 
 =========== ===================================================================
 NO_TAKER    every consumer busy: stop the pass; else ungrouped -> unmatched,

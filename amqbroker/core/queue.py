@@ -6,9 +6,10 @@ Messages wait in the *main order*: one deque per priority level (0..9), each sor
 `seq`. Where a message goes from there is the group dispatcher's decision
 (`amqbroker.core.group_dispatch`, `Queue.dispatcher`): consumers, the group table,
 the dispatch pass and the enqueue fast path (a message that arrives with nothing
-queued ahead is offered at once, without entering a pass). Who takes the first message
-of a group is the queue's owner policy (`amqbroker.core.owner_policies`); when the
-queue may dispatch at all is its gate (`amqbroker.core.dispatch_gate`).
+queued ahead is offered at once, and delivered or parked without entering a pass).
+Who takes the first message of a group is the queue's owner policy
+(`amqbroker.core.owner_policies`); when the queue may dispatch at all is its gate
+(`amqbroker.core.dispatch_gate`).
 
 A message that cannot go now is *parked* instead of blocking the queue (decision D4,
 skip-ahead): it moves out of the main order to the tail of its group's `parked` deque,

@@ -138,7 +138,8 @@ class DeliveryLogWriter:
         self.wake = wake
         self.node = ""
         self.directory: Path | None = None
-        self._buf = Batch()
+        #: the event loop's buffer, flat (`Batch.values`: `FIELDS` values per record)
+        self._buf: list[Any] = []
         #: the seq of the buffer's first record, the records dropped since the
         #: last take (each took a seq), the rows buffered after a drop (index, seq)
         self._first = 1
@@ -314,14 +315,14 @@ class DeliveryLogWriter:
         self._record_held()
         buf = self._buf
         if self._gap:
-            n = buf.n_rows
+            n = len(buf) // FIELDS
             self._explicit.append((n, self._first + n + self._extra + self._gap))
         buf += (self._clock(), event, queue, None, None, group_id, None, None, reason, None, None)
 
     @property
     def _seq(self) -> int:
         """The last seq given (records buffered, dropped, taken)."""
-        return self._first + self._buf.n_rows + self._extra + self._gap - 1
+        return self._first + len(self._buf) // FIELDS + self._extra + self._gap - 1
 
     def set_owner_epoch(self, epoch: int) -> None:
         """Records from the next event on carry this owner epoch (the cluster calls
@@ -347,7 +348,7 @@ class DeliveryLogWriter:
 
     @property
     def pending(self) -> int:
-        return self._buf.n_rows
+        return len(self._buf) // FIELDS
 
     def block(self, producer: BlockedProducer) -> None:
         self._blocked.add(producer)
@@ -364,19 +365,19 @@ class DeliveryLogWriter:
             self._dropping = 0
         self._record_held()
         buf = self._buf
+        batch = None
         if buf:
-            buf.first_seq = self._first
-            buf.explicit = self._explicit
+            batch = Batch(buf, self._first, self._explicit)
             self._explicit = []
-            self._buf = Batch()
-        self._first += buf.n_rows + self._extra + self._gap
+            self._buf = []
+        self._first += len(buf) // FIELDS + self._extra + self._gap
         self._gap = self._extra = 0
         if self._blocked:
             blocked = list(self._blocked)
             self._blocked.clear()
             for p in blocked:
                 p.resume()
-        return buf or None
+        return batch
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -384,7 +385,7 @@ class DeliveryLogWriter:
             "format": self.format,
             "seq": self._seq,
             "written": self.written,
-            "pending": self._buf.n_rows,
+            "pending": len(self._buf) // FIELDS,
             "dropped": self.dropped,
             "blocked_producers": len(self._blocked),
             "files": len(self._closed)
@@ -402,7 +403,7 @@ class DeliveryLogWriter:
         (about an eighth of `rotate_bytes` each), so a file passes `rotate_bytes` by
         at most one chunk whatever the batch size."""
         if not isinstance(batch, Batch):
-            batch = Batch(v for r in batch for v in r)
+            batch = Batch([v for r in batch for v in r])
         if self._use_child:
             self._write_child(batch)
             return
@@ -598,7 +599,7 @@ class DeliveryLogWriter:
         import pyarrow.compute as pc
 
         ts, ev, queues, mids, producers, gids, gseqs, cons, outcomes, dcs, idents = (
-            batch[k::FIELDS] for k in range(FIELDS)
+            batch.values[k::FIELDS] for k in range(FIELDS)
         )
         gid = pa.array(gids, type=pa.string())
         gseq = pa.array(gseqs, type=pa.int64())

@@ -120,9 +120,7 @@ def main() -> int:
             assert w is not None
             _, epochs, first_seq, explicit, rows = msg
             w._epochs = [tuple(e) for e in epochs]
-            batch = Batch(rows)
-            batch.first_seq = first_seq
-            batch.explicit = [tuple(e) for e in explicit]
+            batch = Batch(rows, first_seq, [tuple(e) for e in explicit])
             try:
                 w.write_batch(batch)
             except Exception as exc:
@@ -200,11 +198,9 @@ class ChildWriter:
         self._reply()
 
     def write(self, epochs: list[tuple[int, int]], batch: Batch) -> None:
-        # a value marshal refuses raises ValueError before anything is sent (marshal
-        # takes exact lists only: the values are copied, references only); serialised
-        # before the pipe write, so that the copy (a young list as long as the batch,
-        # which every collection of the broker's would walk) is freed meanwhile
-        data = marshal.dumps(("write", epochs, batch.first_seq, batch.explicit, list(batch)))
+        # a value marshal refuses raises ValueError before anything is sent; the
+        # values list is the buffer itself, not a copy (see `Batch`)
+        data = marshal.dumps(("write", epochs, batch.first_seq, batch.explicit, batch.values))
         self._request(data)
 
     def close(self) -> None:

@@ -455,7 +455,7 @@ def test_the_delivery_log_of_a_paged_arrival_is_its_received_record_alone(
     assert q.paged_count == 2
     batch = w.take_batch()
     assert batch is not None
-    assert batch[1::FIELDS] == [RECEIVED_ROUTED] * 20 + [RECEIVED] * 2
+    assert batch.values[1::FIELDS] == [RECEIVED_ROUTED] * 20 + [RECEIVED] * 2
     rows, seqs = batch.expand()
     assert [(r[1], r[3]) for r in rows[-4:]] == [
         (RECEIVED, "m19"),

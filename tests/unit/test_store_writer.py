@@ -123,11 +123,11 @@ class FakeDeliveryLog:
 
     @property
     def pending(self) -> int:
-        return len(self.buf)
+        return self.buf.n_rows
 
     def take_batch(self) -> LogBatch | None:
         batch, self.buf = self.buf, LogBatch()
-        return batch or None
+        return batch if batch.values else None
 
     def write_batch(self, batch: list[Any]) -> None:
         self.disk.wait(30)

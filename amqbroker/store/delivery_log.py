@@ -315,14 +315,14 @@ class DeliveryLogWriter:
         self._record_held()
         buf = self._buf
         if self._gap:
-            n = len(buf) // FIELDS
+            n = self.pending
             self._explicit.append((n, self._first + n + self._extra + self._gap))
         buf += (self._clock(), event, queue, None, None, group_id, None, None, reason, None, None)
 
     @property
     def _seq(self) -> int:
         """The last seq given (records buffered, dropped, taken)."""
-        return self._first + len(self._buf) // FIELDS + self._extra + self._gap - 1
+        return self._first + self.pending + self._extra + self._gap - 1
 
     def set_owner_epoch(self, epoch: int) -> None:
         """Records from the next event on carry this owner epoch (the cluster calls
@@ -385,7 +385,7 @@ class DeliveryLogWriter:
             "format": self.format,
             "seq": self._seq,
             "written": self.written,
-            "pending": len(self._buf) // FIELDS,
+            "pending": self.pending,
             "dropped": self.dropped,
             "blocked_producers": len(self._blocked),
             "files": len(self._closed)

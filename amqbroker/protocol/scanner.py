@@ -221,6 +221,10 @@ _I64 = struct.Struct(">q").unpack_from
 _NULLS10 = b"\x40" * 10
 #: ten null properties and the str8 code of a group-id (`scan`'s grouped fast path)
 _NULLS10_STR8 = _NULLS10 + b"\xa1"
+#: a properties section (list8) at the start of a message, and from its count on:
+#: eleven fields, ten nulls and the str8 code of a group-id (`scan`'s opening test)
+_PROPS8 = b"\x00\x53\x73\xc0"
+_N10_STR8_AT5 = b"\x0b" + _NULLS10_STR8
 _PACK_U32 = struct.Struct(">I").pack
 _PACK_U32x2 = struct.Struct(">II").pack
 _PACK_Q = struct.Struct(">q").pack
@@ -580,7 +584,22 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
     p = 0
     start = 0  # offset of the current section (for error messages)
     try:
-        while True:
+        if (
+            n > 17
+            and data[2] == 0x73
+            and data.startswith(_PROPS8)
+            and data.startswith(_N10_STR8_AT5, 5)
+        ):
+            # the message opens with properties that carry only a str8 group-id (what
+            # Proton and rhea send for a non-durable grouped message): read before
+            # the loop, which saves the section head's tests (about 0.15 us)
+            p = 5 + data[4]
+            q = 18 + data[17]
+            gid = data[18:q].decode()
+            if q > p:
+                raise ScanError("properties list at offset 0 overruns its size")
+            last = 0x73
+        while p < n:
             start = p
             # ---- section head: 0x00 0x53 <code> is by far the usual form
             if data[p]:
@@ -842,9 +861,6 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
                 if c not in _MAP_SHAPES:
                     raise _shape_error(code, c, p)
                 p = _skip(data, p)
-                break
-
-            if p >= n:
                 break
     except (IndexError, struct.error):
         raise ScanError(

@@ -625,15 +625,24 @@ def test_properties_of_ten_nulls_and_a_group_id_alone() -> None:
         assert scan(data) == expected(data), data.hex()
         assert scan(data)[5] == "gé7"
     assert scan(props + app_map(("JMSXGroupSeq", "5503")) + BODY)[6] == 3
-    # the group id running past the data, past the list, or not UTF-8: refused
-    with pytest.raises(ScanError, match="truncated"):
-        scan(props[:-1])
+    # the group id running past the data, past the list, or not UTF-8: refused, with
+    # the same words whether the section opens the message (read before the loop) or
+    # follows a header
     gid_len = 3 + 3 + 10 + 1  # section head; list code, size, count; ten nulls; A1
     long_id = props[:gid_len] + bytes((props[gid_len] + 3,)) + props[gid_len + 1 :]
-    with pytest.raises(ScanError, match="overruns its size"):
-        scan(long_id + BODY)
-    with pytest.raises(ScanError, match="UTF-8"):
-        scan(props_list(*ten, str8(b"\xff\xfe")) + BODY)
+    for head, at in ((b"", 0), (hdr("41"), len(hdr("41")))):
+        with pytest.raises(ScanError, match=f"truncated: the section at offset {at} "):
+            scan(head + props[:-1])
+        with pytest.raises(ScanError, match=f"properties list at offset {at} overruns its size"):
+            scan(head + long_id + BODY)
+        with pytest.raises(ScanError, match=f"invalid UTF-8 string in the section at offset {at}"):
+            scan(head + props_list(*ten, str8(b"\xff\xfe")) + BODY)
+    # shorter than the opening test reads: the loop's words, as before that test
+    with pytest.raises(ScanError, match=r"at offset 0, found 0x05$"):
+        scan(b"\x05")
+    for few in (b"\x00", b"\x00\x53\x73"):
+        with pytest.raises(ScanError, match=f"^truncated: .* offset 0 .* \\({len(few)} bytes\\)$"):
+            scan(few)
 
 
 # --------------------------------------------------------------------------- group fallback

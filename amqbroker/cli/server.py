@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -19,6 +20,16 @@ class OneLineFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return super().format(record).replace("\r", "").replace("\n", " | ")
+
+
+def _tune_gc(young: int) -> None:
+    """The process's cyclic garbage collector: what is loaded so far (modules, classes,
+    settings) is frozen, never scanned again, and a young collection runs every
+    `young` net allocations of tracked objects (``gc_young_threshold``) instead of
+    Python's 700, at which every message in flight is scanned and promoted."""
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(young, middle, old)
 
 
 def _setup_logging(level: str) -> None:
@@ -97,6 +108,7 @@ def run(
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from exc
     _setup_logging(settings.log_level)
+    _tune_gc(settings.gc_young_threshold)
     if uses_lease(settings):
         _run_pair(settings)
     app = BrokerApp(settings)

@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     shutdown_timeout: ConfigFloat = Field(
         default=10.0, ge=0, description="seconds to drain connections on shutdown"
     )
+    #: Python's cyclic garbage collector: net allocations of tracked objects between
+    #: two young-generation collections (`amqbroker.cli.server`; Python's default 700)
+    gc_young_threshold: ConfigInt = Field(default=10_000, ge=1)
 
     # connection limits
     max_connections: ConfigInt = Field(default=1000, ge=1)

@@ -584,12 +584,9 @@ def scan(data: bytes, app_fallback: bool = True) -> Scanned:
     p = 0
     start = 0  # offset of the current section (for error messages)
     try:
-        if (
-            n > 17
-            and data[2] == 0x73
-            and data.startswith(_PROPS8)
-            and data.startswith(_N10_STR8_AT5, 5)
-        ):
+        # slices, not `startswith`: its optional arguments are parsed per call (about
+        # 60 ns for the two tests, measured with timeit)
+        if n > 17 and data[2] == 0x73 and data[5:17] == _N10_STR8_AT5 and data[:4] == _PROPS8:
             # the message opens with properties that carry only a str8 group-id (what
             # Proton and rhea send for a non-durable grouped message): read before
             # the loop, which saves the section head's tests (about 0.15 us)

@@ -169,6 +169,11 @@ class GroupDispatcher:
                 self.step(BIND, key, c=c)
                 self.deliver(c, e, self.first)
             return DELIVERED
+        if e.group_id is key:
+            # the group's own key object from here on, not the message's equal copy:
+            # a backlog and the delivery log's batches hold one string per group
+            # (measured: fewer cache misses per message; `marshal` writes a reference)
+            e.group_id = e.gkey = g.key
         o = g.owner
         self.last_group = g
         if g.parked is not None or g.held or o is None:

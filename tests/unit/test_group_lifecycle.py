@@ -134,3 +134,38 @@ def test_a_new_policy_is_one_function_and_one_line(monkeypatch: pytest.MonkeyPat
     h.credit(b, 5)
     h.credit(a, 5)
     assert b.labels == ["G1", "H1"] and not a.labels
+
+
+def _fresh(s: str) -> str:
+    """An equal string that is another object, as the scanner decodes one per message."""
+    out = "".join(list(s))
+    assert out == s and out is not s
+    return out
+
+
+def test_messages_of_a_bound_group_carry_the_groups_own_key_string() -> None:
+    """Once a group is bound, each of its messages the dispatcher looks at carries the
+    group's key object instead of its own equal copy (delivered at once, or parked for
+    a busy owner). A backlog, and each delivery-log batch, then holds one string per
+    group, not one per message."""
+    h = Harness()
+    c = h.attach("c", 2)
+    first = h.send(_fresh("grp"))
+    direct = h.send(_fresh("grp"))
+    parked = h.send(_fresh("grp"))  # c has no credit left: parked for its owner
+    key = first.group_id
+    assert key is not None and h.queue.list_groups()[0]["group"] == "grp"
+    assert direct.group_id is key and direct.gkey is key
+    assert parked.group_id is key and parked.gkey is key
+    h.credit(c, 5)
+    assert c.labels == ["grp1", "grp2", "grp3"]
+
+
+def test_a_bucketed_group_keeps_its_own_string() -> None:
+    """With buckets the key is the bucket number: the message's group id is left as
+    it came (its value is what the delivery log and management report)."""
+    h = Harness(QueuePolicy(group_buckets=4))
+    h.attach("c", 5)
+    h.send(_fresh("grp"))
+    e = h.send(_fresh("grp"))
+    assert e.group_id == "grp" and isinstance(e.gkey, int)

@@ -14,6 +14,8 @@ Invariants:
   priority level, and a returned message goes back to its `seq` position.
 - `gkey` is the group key *for this queue* (group id, bucket index, the exclusive
   sentinel, or None when ungrouped); the queue computes it from `group_id` on enqueue.
+  Once the dispatcher has looked up a bound group for a message whose key is its group
+  id, both name the group's own key string (an equal value, one object per group).
 """
 
 from __future__ import annotations
